@@ -1,0 +1,91 @@
+"""Lesson parameters in one validated dataclass (every lesson's first cells).
+
+Each notebook's first code cell, tagged ``parameters``, holds plain values; the next cell builds a
+:class:`LessonConfig` from them. Quick mode (``MGPU_QUICK=1`` or ``quick=True``) shrinks data and
+epochs so the whole course runs in minutes on a laptop; the tests always use it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, replace
+
+__all__ = ["DATASETS", "MODELS", "QUICK_LIMITS", "LessonConfig", "quick_from_env"]
+
+DATASETS = ("digits", "fashionmnist", "cifar10", "synthetic")
+MODELS = ("auto", "cnn", "resnet", "mlp")
+
+# What quick mode caps: at most this many epochs and samples per split.
+QUICK_LIMITS = {"epochs": 2, "train_samples": 512, "test_samples": 256}
+
+
+def quick_from_env() -> bool:
+    """True when ``MGPU_QUICK`` is set to 1/true/yes (how `make course QUICK=1` and tests ask)."""
+    value = os.environ.get("MGPU_QUICK", "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"MGPU_QUICK must be 1 or 0 (or true/false), got {value!r}")
+
+
+@dataclass(frozen=True)
+class LessonConfig:
+    """Parameters shared by the lessons. Invalid values raise ``ValueError`` naming the field."""
+
+    dataset: str = "digits"  # one of DATASETS; "digits" ships with scikit-learn (no download)
+    model: str = "auto"  # one of MODELS; "auto" picks the model that suits the dataset
+    batch_size: int = 64  # global batch: split across devices in the multi-device lessons
+    epochs: int = 10  # passes over the training set
+    lr: float = 0.05  # SGD learning rate
+    momentum: float = 0.9  # SGD momentum
+    world_size: int = 2  # processes/devices for the multi-device lessons
+    seed: int = 0  # seeds torch, numpy and Python's random, and the data order
+    quick: bool = field(default_factory=quick_from_env)  # tiny data, few epochs (tests, laptops)
+    train_samples: int | None = None  # cap on training samples (None: all; quick mode caps)
+    test_samples: int | None = None  # cap on test samples (None: all; quick mode caps)
+    data_dir: str = "data"  # where torchvision data sets are downloaded and read
+    progress: bool = True  # show tqdm progress bars
+
+    def __post_init__(self) -> None:
+        if self.dataset not in DATASETS:
+            raise ValueError(
+                f"dataset={self.dataset!r} is unknown; choose one of {', '.join(DATASETS)}"
+            )
+        if self.model not in MODELS:
+            raise ValueError(f"model={self.model!r} is unknown; choose one of {', '.join(MODELS)}")
+        _positive_int("batch_size", self.batch_size)
+        _positive_int("epochs", self.epochs)
+        _positive_int("world_size", self.world_size)
+        for name in ("train_samples", "test_samples"):
+            value = getattr(self, name)
+            if value is not None:
+                _positive_int(name, value)
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+            raise ValueError(f"lr must be a number > 0, got {self.lr!r}")
+        if not (isinstance(self.momentum, (int, float)) and 0 <= self.momentum < 1):
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.quick:  # apply the caps once, so every reader sees the sizes actually used
+            object.__setattr__(self, "epochs", min(self.epochs, QUICK_LIMITS["epochs"]))
+            for name in ("train_samples", "test_samples"):
+                cap = QUICK_LIMITS[name]
+                value = getattr(self, name)
+                object.__setattr__(self, name, cap if value is None else min(value, cap))
+
+    def replace(self, **changes: object) -> LessonConfig:
+        """A copy with some fields changed, validated again."""
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        """One readable line per field, with a note when quick mode shrank the run."""
+        lines = [f"{k:>14}: {v}" for k, v in asdict(self).items()]
+        if self.quick:
+            lines.append("    quick mode: epochs and samples capped (set MGPU_QUICK=0 for full)")
+        return "\n".join(lines)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")

@@ -1,0 +1,241 @@
+"""Run the lessons headless and report (`make course`, and the notebook tests).
+
+Each notebook is executed in a real Jupyter kernel with nbclient. Quick mode reaches the kernel
+through the ``MGPU_QUICK`` environment variable; other parameters are injected as a cell right
+after the cell tagged ``parameters`` (as papermill does). The runner collects what the lesson
+recorded with :func:`mgpu_helpers.record.record` and the self-check verdicts, and a failing
+lesson is reported with its error while the others still run.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import nbformat
+
+from .exercises import MARKER
+from .notebooks import parameters_cell_index
+from .record import RESULT_MIME
+
+__all__ = [
+    "LessonRun",
+    "inject_parameters",
+    "run_course",
+    "run_lesson",
+    "write_report",
+]
+
+
+@dataclass
+class LessonRun:
+    """What happened when one lesson ran."""
+
+    name: str
+    status: str  # "passed" or "failed"
+    seconds: float
+    results: dict[str, object] = field(default_factory=dict)  # from record(...)
+    checks: dict[str, bool] = field(default_factory=dict)  # self-check name -> passed
+    error: str = ""  # the failing cell's exception, when status is "failed"
+    output_path: str = ""  # the executed notebook
+
+
+def inject_parameters(nb: nbformat.NotebookNode, params: Mapping[str, object]) -> None:
+    """Insert ``NAME = value`` lines after the parameters cell (papermill's convention)."""
+    if not params:
+        return
+    for name in params:
+        if not name.isidentifier():
+            raise ValueError(f"parameter name {name!r} is not a Python identifier")
+    index = parameters_cell_index(nb)
+    source = "# Parameters injected by the course runner\n" + "".join(
+        f"{k} = {v!r}\n" for k, v in params.items()
+    )
+    cell = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})
+    nb.cells.insert(index + 1, cell)
+
+
+@contextmanager
+def _environment(changes: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables for the kernel we start, then restore them."""
+    old = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _collect(nb: nbformat.NotebookNode, run: LessonRun) -> None:
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if RESULT_MIME in data:
+                item = data[RESULT_MIME]
+                if isinstance(item, str):
+                    item = json.loads(item)
+                run.results[item["name"]] = item["value"]
+            if out.get("output_type") == "stream":
+                for line in out.get("text", "").splitlines():
+                    if line.startswith(MARKER):
+                        verdict, _, name = line[len(MARKER) :].strip().partition(" ")
+                        run.checks[name] = verdict == "PASS"
+
+
+def run_lesson(
+    path: str | Path,
+    out_dir: str | Path,
+    *,
+    quick: bool,
+    params: Mapping[str, object] | None = None,
+    cell_timeout: int = 1800,
+) -> LessonRun:
+    """Execute one notebook in a fresh kernel and write the executed copy to ``out_dir``."""
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    path = Path(path)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    nb = nbformat.read(path, as_version=4)
+    inject_parameters(nb, params or {})
+    run = LessonRun(name=path.stem, status="passed", seconds=0.0)
+    client = NotebookClient(
+        nb,
+        timeout=cell_timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent.resolve())}},
+    )
+    start = time.perf_counter()
+    env = {
+        "MGPU_QUICK": "1" if quick else "0",
+        "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+    }
+    try:
+        with _environment(env):
+            client.execute()
+    except CellExecutionError as exc:
+        run.status = "failed"
+        run.error = _short_error(exc)
+    except (CellTimeoutError, DeadKernelError) as exc:
+        run.status = "failed"
+        run.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+    run.seconds = time.perf_counter() - start
+    _collect(nb, run)
+    out_path = out_dir / path.name
+    nbformat.write(nb, out_path)
+    run.output_path = str(out_path)
+    return run
+
+
+def _short_error(exc: Exception) -> str:
+    ename = getattr(exc, "ename", type(exc).__name__)
+    evalue = getattr(exc, "evalue", str(exc))
+    return f"{ename}: {evalue}"
+
+
+def run_course(
+    notebooks: list[Path],
+    out_dir: str | Path = "build/course",
+    *,
+    quick: bool,
+    params: Mapping[str, object] | None = None,
+    echo: bool = True,
+) -> list[LessonRun]:
+    """Run every lesson in order (a failure does not stop the others) and write the report."""
+    runs = []
+    for path in notebooks:
+        if echo:
+            print(f"running {path.name} ({'quick' if quick else 'full'} mode) ...", flush=True)
+        run = run_lesson(path, out_dir, quick=quick, params=params)
+        if echo:
+            mark = "ok " if run.status == "passed" else "FAILED"
+            print(f"  {mark} {run.seconds:6.1f} s  {run.error}", flush=True)
+        runs.append(run)
+    write_report(runs, out_dir, quick=quick)
+    return runs
+
+
+def write_report(runs: list[LessonRun], out_dir: str | Path, *, quick: bool) -> Path:
+    """Write ``report.html`` and ``report.json``: per lesson status, time, results; hardware."""
+    from .devices import course_plan, describe_hardware, hardware_as_dict
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hw = describe_hardware()
+    plan = course_plan(len(hw.gpus))
+    data = {
+        "mode": "quick" if quick else "full",
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "hardware": hardware_as_dict(hw),
+        "plan": plan.banner(),
+        "lessons": [asdict(r) for r in runs],
+    }
+    (out_dir / "report.json").write_text(json.dumps(data, indent=2, default=str))
+    path = out_dir / "report.html"
+    path.write_text(_html(data, runs))
+    return path
+
+
+def _html(data: dict, runs: list[LessonRun]) -> str:
+    e = html.escape
+    hw = data["hardware"]
+    gpus = (
+        "".join(
+            f"<li>cuda:{g['index']}: {e(g['name'])}, {g['total_memory_gib']} GiB, "
+            f"compute capability {g['capability'][0]}.{g['capability'][1]}</li>"
+            for g in hw["gpus"]
+        )
+        or "<li>none (CPU only)</li>"
+    )
+    rows = []
+    for r in runs:
+        results = "<br>".join(f"{e(str(k))} = {e(_fmt(v))}" for k, v in r.results.items())
+        passed = sum(r.checks.values())
+        checks = f"{passed}/{len(r.checks)}" if r.checks else "-"
+        status = (
+            '<td class="ok">passed</td>'
+            if r.status == "passed"
+            else f'<td class="bad">failed<br><code>{e(r.error)}</code></td>'
+        )
+        link = e(Path(r.output_path).name)
+        rows.append(
+            f'<tr><td><a href="{link}">{e(r.name)}</a></td>{status}'
+            f"<td>{r.seconds:.1f} s</td><td>{results or '-'}</td><td>{checks}</td></tr>"
+        )
+    failed = sum(r.status != "passed" for r in runs)
+    summary = f"{len(runs) - failed} of {len(runs)} lessons passed"
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>Multi-GPU course report</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; max-width: 70em; }}
+table {{ border-collapse: collapse; width: 100%; }}
+td, th {{ border: 1px solid #ccc; padding: .4em .6em; vertical-align: top; text-align: left; }}
+.ok {{ color: #176a2c; font-weight: bold; }} .bad {{ color: #a11; font-weight: bold; }}
+code {{ white-space: pre-wrap; }}
+</style></head><body>
+<h1>Multi-GPU course report</h1>
+<p><b>{e(summary)}</b>, {e(data["mode"])} mode, finished {e(data["finished"])}.</p>
+<h2>Hardware</h2>
+<ul><li>Python {e(hw["python"])}, torch {e(hw["torch"])}, CUDA build {e(str(hw["cuda_build"]))},
+NCCL {e(str(hw["nccl_version"]))}, {hw["cpu_count"]} CPU cores</li>
+<li>GPUs:<ul>{gpus}</ul></li><li>Plan: {e(data["plan"])}</li></ul>
+<h2>Lessons</h2>
+<table><tr><th>lesson</th><th>status</th><th>time</th><th>key results</th><th>self-checks</th></tr>
+{"".join(rows)}
+</table></body></html>
+"""
+
+
+def _fmt(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

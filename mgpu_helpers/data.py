@@ -1,0 +1,203 @@
+"""Data sets and loaders (lesson 02; reused by every later lesson).
+
+``digits`` is the offline default: scikit-learn's bundled 8x8 handwritten digits, real and
+learnable, installed with the requirements. CIFAR-10 and FashionMNIST come through
+torchvision's own classes and download into ``data/`` when the machine is online. ``synthetic``
+is random images for throughput benchmarks, where only speed matters.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
+
+from .config import DATASETS, LessonConfig
+
+__all__ = [
+    "DataInfo",
+    "build_datasets",
+    "digits",
+    "loader_settings",
+    "make_loader",
+    "synthetic",
+    "torchvision_dataset",
+]
+
+OFFLINE_DEFAULT = "digits"
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    """Shape facts a model needs: channels, side length and number of classes."""
+
+    name: str
+    in_channels: int
+    image_size: int
+    num_classes: int
+
+
+INFO = {
+    "digits": DataInfo("digits", 1, 8, 10),
+    "fashionmnist": DataInfo("fashionmnist", 1, 28, 10),
+    "cifar10": DataInfo("cifar10", 3, 32, 10),
+    "synthetic": DataInfo("synthetic", 3, 32, 10),
+}
+
+
+def digits(train: bool = True, test_fraction: float = 0.2) -> TensorDataset:
+    """scikit-learn's 1,797 handwritten digits as 1x8x8 images, standardised.
+
+    The train/test split is fixed (seed 0), whatever the lesson's seed, so that every lesson
+    and every run evaluates on the same held-out digits.
+    """
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.data, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(bunch.target, dtype=torch.long)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    n_test = int(round(len(y) * test_fraction))
+    train_idx, test_idx = order[n_test:], order[:n_test]
+    mean, std = x[train_idx].mean(), x[train_idx].std()  # statistics of the training part only
+    x = (x - mean) / std
+    idx = train_idx if train else test_idx
+    return TensorDataset(x[idx], y[idx])
+
+
+def synthetic(
+    n: int = 2048, shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10, seed: int = 0
+) -> TensorDataset:
+    """Random images with random labels, for throughput benchmarks (nothing to learn)."""
+    if n < 1:
+        raise ValueError(f"synthetic data needs n >= 1 samples, got {n}")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn((n, *shape), generator=g)
+    y = torch.randint(0, num_classes, (n,), generator=g)
+    return TensorDataset(x, y)
+
+
+def torchvision_dataset(name: str, root: str, train: bool, download: bool = True) -> Dataset:
+    """CIFAR-10 or FashionMNIST through torchvision's own classes, stored under ``root``.
+
+    Files already on disk are used as they are; otherwise they are downloaded when
+    ``download`` is true. Failure (offline, blocked, corrupt) raises a one-line RuntimeError
+    naming the offline default.
+    """
+    from torchvision import datasets, transforms
+
+    if name == "cifar10":
+        cls = datasets.CIFAR10
+        norm = transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+        steps = [transforms.ToTensor(), norm]
+        if train:  # the usual light augmentation: random 4-pixel shifts and mirror images
+            steps = [
+                transforms.RandomCrop(32, padding=4),
+                transforms.RandomHorizontalFlip(),
+                *steps,
+            ]
+    elif name == "fashionmnist":
+        cls = datasets.FashionMNIST
+        steps = [transforms.ToTensor(), transforms.Normalize((0.2860,), (0.3530,))]
+    else:
+        raise ValueError(
+            f"{name!r} is not a torchvision data set here; use cifar10 or fashionmnist"
+        )
+    transform = transforms.Compose(steps)
+    try:
+        return cls(root=root, train=train, download=False, transform=transform)
+    except RuntimeError:
+        if not download:
+            raise RuntimeError(
+                f"{name} is not in {os.path.abspath(root)!r}; allow the download or use "
+                f"dataset={OFFLINE_DEFAULT!r}, which needs none"
+            ) from None
+    try:
+        return cls(root=root, train=train, download=True, transform=transform)
+    except Exception as exc:  # URLError, HTTPError, checksum errors, ...
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RuntimeError(
+            f"could not download {name} into {os.path.abspath(root)!r} ({reason}); "
+            f"offline? use dataset={OFFLINE_DEFAULT!r}, which ships with scikit-learn"
+        ) from None
+
+
+def build_datasets(cfg: LessonConfig) -> tuple[Dataset, Dataset, DataInfo]:
+    """Training set, test set and shape facts for ``cfg.dataset``, capped as ``cfg`` asks."""
+    if cfg.dataset not in DATASETS:  # LessonConfig already checks; kept for direct callers
+        raise ValueError(f"dataset={cfg.dataset!r} is unknown; choose one of {', '.join(DATASETS)}")
+    if cfg.dataset == "digits":
+        train, test = digits(train=True), digits(train=False)
+    elif cfg.dataset == "synthetic":
+        info = INFO["synthetic"]
+        shape = (info.in_channels, info.image_size, info.image_size)
+        train = synthetic(cfg.train_samples or 4096, shape, info.num_classes, seed=cfg.seed)
+        test = synthetic(cfg.test_samples or 1024, shape, info.num_classes, seed=cfg.seed + 1)
+    else:
+        train = torchvision_dataset(cfg.dataset, cfg.data_dir, train=True)
+        test = torchvision_dataset(cfg.dataset, cfg.data_dir, train=False)
+    return _cap(train, cfg.train_samples), _cap(test, cfg.test_samples), INFO[cfg.dataset]
+
+
+def _cap(ds: Dataset, limit: int | None) -> Dataset:
+    n = len(ds)  # type: ignore[arg-type]
+    return ds if limit is None or limit >= n else Subset(ds, range(limit))
+
+
+def loader_settings(device: torch.device | str, dataset: Dataset) -> dict:
+    """``num_workers`` and ``pin_memory`` that suit this device and data set.
+
+    In-memory tensors need no worker processes (they would only copy the tensors). Data read
+    and decoded from files gets a few workers per GPU, so the GPU does not wait on the CPU.
+    Pinned (page-locked) memory speeds host-to-GPU copies; on the CPU it only costs.
+    """
+    dev = torch.device(device)
+    on_gpu = dev.type == "cuda"
+    in_memory = isinstance(_base(dataset), TensorDataset)
+    if in_memory or not on_gpu:
+        workers = 0
+    else:
+        per_gpu = (os.cpu_count() or 1) // max(1, torch.cuda.device_count())
+        workers = max(1, min(4, per_gpu - 1))
+    return {
+        "num_workers": workers,
+        "pin_memory": on_gpu,
+        "persistent_workers": workers > 0,
+    }
+
+
+def _base(ds: Dataset) -> Dataset:
+    while isinstance(ds, Subset):
+        ds = ds.dataset
+    return ds
+
+
+def make_loader(
+    dataset: Dataset,
+    batch_size: int,
+    device: torch.device | str,
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+    sampler: Sampler | None = None,
+    drop_last: bool = False,
+) -> DataLoader:
+    """A DataLoader with a seeded shuffle and the worker/pinning settings for ``device``.
+
+    Pass a ``sampler`` (a ``DistributedSampler`` in lesson 04) instead of ``shuffle``.
+    """
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
+    if sampler is not None and shuffle:
+        raise ValueError("pass either shuffle=True or a sampler (the sampler does the shuffling)")
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        sampler=sampler,
+        drop_last=drop_last,
+        generator=torch.Generator().manual_seed(seed) if shuffle else None,
+        **loader_settings(device, dataset),
+    )

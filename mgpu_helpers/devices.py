@@ -1,0 +1,227 @@
+"""What hardware is here, and how the course adapts to it (lessons 00 and 01).
+
+Looking must not initialise CUDA in the notebook kernel: later lessons start worker processes,
+and a kernel that already holds a CUDA context cannot fork them. ``torch.cuda.device_count()``
+asks NVML and stays clean; everything that needs a CUDA context (properties, peer access, the
+NCCL version) is read in a short-lived subprocess unless this process already initialised CUDA.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "GpuInfo",
+    "Hardware",
+    "Plan",
+    "available_backends",
+    "course_plan",
+    "describe_hardware",
+    "gpu_count",
+    "hardware_as_dict",
+    "nvidia_smi",
+]
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One CUDA device as the course reports it (lesson 01)."""
+
+    index: int
+    name: str
+    total_memory_gib: float
+    capability: tuple[int, int]  # compute capability (major, minor), e.g. (9, 0) on an H100/H200
+    multi_processor_count: int
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Everything lesson 00 prints about this machine."""
+
+    python: str
+    torch: str
+    cuda_build: str | None  # CUDA version torch was built with; None on a CPU build
+    cuda_available: bool
+    gpus: tuple[GpuInfo, ...]
+    peer_access: tuple[tuple[bool, ...], ...]  # peer_access[i][j]: cuda:i can read cuda:j directly
+    nccl_version: str | None
+    mps_available: bool  # Apple-silicon GPU (single device; no NCCL)
+    backends: tuple[str, ...]  # torch.distributed backends built into this torch
+    cpu_count: int
+    visible_devices: str | None  # CUDA_VISIBLE_DEVICES as set in the environment
+    cuda_error: str | None = None  # why CUDA could not be inspected, when it could not
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the course runs on this hardware (lesson 00): which devices stand for which."""
+
+    mode: str  # "cpu", "single-gpu" or "multi-gpu"
+    n_gpus: int
+    devices: tuple[str, ...]  # two or more device names for the multi-device lessons
+    virtual: bool  # True when several entries of `devices` are the same physical device
+    backend: str  # torch.distributed backend for one process per entry of `devices`
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def banner(self) -> str:
+        """One line for the top of every lesson: what runs where, and whether it is virtual."""
+        kind = {
+            "cpu": "CPU only",
+            "single-gpu": "1 GPU",
+            "multi-gpu": f"{self.n_gpus} GPUs",
+        }[self.mode]
+        where = ", ".join(self.devices)
+        virtual = " (virtual devices: the same hardware stands in for each)" if self.virtual else ""
+        return f"[{kind}] multi-device lessons use {where}{virtual}; backend {self.backend}"
+
+
+def gpu_count() -> int:
+    """Number of visible CUDA devices, without creating a CUDA context (lesson 01)."""
+    try:
+        return torch.cuda.device_count()
+    except Exception:  # a broken driver can make even the count raise
+        return 0
+
+
+def available_backends() -> tuple[str, ...]:
+    """The torch.distributed backends this torch was built with (lesson 00)."""
+    if not dist.is_available():
+        return ()
+    found = []
+    if dist.is_gloo_available():
+        found.append("gloo")
+    if dist.is_nccl_available():
+        found.append("nccl")
+    if getattr(dist, "is_mpi_available", lambda: False)():
+        found.append("mpi")
+    return tuple(found)
+
+
+def _probe_cuda() -> dict:
+    """Read the CUDA facts that need a context; meant to run in a throwaway process."""
+    n = torch.cuda.device_count()
+    gpus = []
+    for i in range(n):
+        p = torch.cuda.get_device_properties(i)
+        gpus.append(
+            {
+                "index": i,
+                "name": p.name,
+                "total_memory_gib": round(p.total_memory / 2**30, 2),
+                "capability": [p.major, p.minor],
+                "multi_processor_count": p.multi_processor_count,
+            }
+        )
+    peer = [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)] for i in range(n)]
+    nccl = None
+    if dist.is_available() and dist.is_nccl_available():
+        v = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    return {"gpus": gpus, "peer": peer, "nccl": nccl}
+
+
+def _probe_cuda_elsewhere(timeout: float = 120.0) -> dict:
+    """Run `_probe_cuda` in a subprocess so this process stays free of a CUDA context."""
+    code = "import json, mgpu_helpers.devices as d; print(json.dumps(d._probe_cuda()))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"CUDA probe failed: {last}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def describe_hardware() -> Hardware:
+    """Inspect this machine without initialising CUDA in the calling process (lesson 00)."""
+    n = gpu_count()
+    probe: dict = {"gpus": [], "peer": [], "nccl": None}
+    error = None
+    if n > 0:
+        try:
+            probe = _probe_cuda() if torch.cuda.is_initialized() else _probe_cuda_elsewhere()
+        except Exception as exc:  # reported by `mgpu doctor`, never fatal here
+            error = str(exc)
+    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+    return Hardware(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cuda_build=torch.version.cuda,
+        cuda_available=n > 0 and error is None,
+        gpus=tuple(
+            GpuInfo(
+                index=g["index"],
+                name=g["name"],
+                total_memory_gib=g["total_memory_gib"],
+                capability=tuple(g["capability"]),
+                multi_processor_count=g["multi_processor_count"],
+            )
+            for g in probe["gpus"]
+        ),
+        peer_access=tuple(tuple(row) for row in probe["peer"]),
+        nccl_version=probe["nccl"],
+        mps_available=mps,
+        backends=available_backends(),
+        cpu_count=os.cpu_count() or 1,
+        visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        cuda_error=error,
+    )
+
+
+def course_plan(n_gpus: int | None = None, n_devices: int = 2) -> Plan:
+    """Choose the devices and backend the multi-device lessons use here (lesson 00).
+
+    With two or more GPUs each entry is its own GPU and NCCL joins them. With one GPU every
+    entry is ``cuda:0`` (virtual devices; gloo, since NCCL refuses two ranks on one GPU). With
+    none every entry is ``cpu`` and gloo joins CPU processes. Nothing is simulated: the same
+    code runs, only on fewer physical devices.
+    """
+    if n_devices < 1:
+        raise ValueError(f"n_devices must be at least 1, got {n_devices}")
+    n = gpu_count() if n_gpus is None else n_gpus
+    if n < 0:
+        raise ValueError(f"n_gpus cannot be negative, got {n}")
+    backends = available_backends()
+    if n >= n_devices:
+        devices = tuple(f"cuda:{i}" for i in range(n_devices))
+        backend = "nccl" if "nccl" in backends else "gloo"
+        mode = "multi-gpu" if n >= 2 else "single-gpu"
+        notes: tuple[str, ...] = ()
+        if backend == "gloo":
+            notes = ("NCCL is not built into this torch; gloo is slower between GPUs.",)
+        return Plan(mode, n, devices, False, backend, notes)
+    if n >= 1:
+        mode = "multi-gpu" if n >= 2 else "single-gpu"
+        devices = tuple(f"cuda:{i % n}" for i in range(n_devices))
+        note = f"Only {n} GPU(s) for {n_devices} devices: some devices share a GPU."
+        return Plan(mode, n, devices, n_devices > 1, "gloo", (note,))
+    note = "No GPU: every device is a CPU process; timings show the method, not GPU speed."
+    return Plan("cpu", 0, ("cpu",) * n_devices, n_devices > 1, "gloo", (note,))
+
+
+def nvidia_smi(*args: str, timeout: float = 30.0) -> str | None:
+    """Output of ``nvidia-smi`` with ``args``, or None when the tool is missing or fails."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, *args], capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def hardware_as_dict(hw: Hardware) -> dict:
+    """The report as plain JSON-ready data (used by `make course` and `mgpu doctor --json`)."""
+    return asdict(hw)
