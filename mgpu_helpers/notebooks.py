@@ -59,7 +59,10 @@ def notebook_problems(nb: nbformat.NotebookNode) -> list[str]:
 
 
 def clean_notebook(path: str | Path) -> bool:
-    """Strip outputs, execution counts and editor metadata in place; True when it changed."""
+    """Strip outputs, execution counts and editor metadata in place; True when it changed.
+
+    Solution cells are collapsed and marked as nbgrader solution cells on the way.
+    """
     path = Path(path)
     before = path.read_text()
     nb = nbformat.read(path, as_version=4)
@@ -69,6 +72,18 @@ def clean_notebook(path: str | Path) -> bool:
         if cell.cell_type == "code":
             cell.outputs = []
             cell.execution_count = None
+    solutions = 0
+    for cell in nb.cells:
+        if cell.cell_type == "code" and "### BEGIN SOLUTION" in cell.source:
+            solutions += 1
+            cell.metadata.setdefault("jupyter", {})["source_hidden"] = True  # collapsed
+            cell.metadata["nbgrader"] = {  # lets nbgrader's generate_assignment take it as is
+                "grade": False,
+                "grade_id": f"{path.stem}-solution-{solutions}",
+                "locked": False,
+                "schema_version": 3,
+                "solution": True,
+            }
     nb.metadata.pop("jupytext", None)
     nb.metadata.pop("widgets", None)
     nb.metadata["kernelspec"] = KERNELSPEC
