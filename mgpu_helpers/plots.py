@@ -8,7 +8,7 @@ from matplotlib.figure import Figure
 
 from .train import History
 
-__all__ = ["plot_history", "plot_throughput"]
+__all__ = ["plot_batch_split", "plot_history", "plot_throughput"]
 
 
 def plot_history(runs: History | Mapping[str, History], title: str = "") -> Figure:
@@ -60,5 +60,40 @@ def plot_throughput(
         ax.legend()
     ax.set(ylabel="samples / s", title=title)
     ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_batch_split(batch_size: int, n_devices: int) -> Figure:
+    """One bar per device showing which samples of the batch it gets (lesson 03).
+
+    Uses the same rule as ``nn.DataParallel`` (``torch.chunk``): uneven batches give a smaller
+    last shard, and some devices may get nothing at all.
+    """
+    from .data_parallel import shard_sizes
+
+    sizes = shard_sizes(batch_size, n_devices) + [0] * n_devices
+    sizes = sizes[:n_devices]
+    fig = Figure(figsize=(8, 0.5 + 0.45 * n_devices))
+    ax = fig.subplots()
+    start = 0
+    for d, n in enumerate(sizes):
+        if n:
+            ax.barh(d, n, left=start, color=f"C{d % 10}", edgecolor="black")
+            ax.text(
+                start + n / 2, d, f"{n}", ha="center", va="center", color="white", fontweight="bold"
+            )
+        else:
+            ax.text(0.5, d, "idle: no samples", va="center", color="gray")
+        start += n
+    ax.set_yticks(range(n_devices), [f"device {d}" for d in range(n_devices)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, batch_size)
+    ax.set_xlabel("sample index in the batch")
+    used = sum(1 for n in sizes if n)
+    ax.set_title(
+        f"batch of {batch_size} on {n_devices} devices: shards {sizes[:used]}"
+        + (f", {n_devices - used} idle" if used < n_devices else "")
+    )
     fig.tight_layout()
     return fig
