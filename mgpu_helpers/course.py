@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import html
 import json
-import os
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import nbformat
 from .exercises import MARKER
 from .notebooks import parameters_cell_index
 from .record import RESULT_MIME
+from .util import temporary_environ
 
 __all__ = [
     "LessonRun",
@@ -59,21 +58,6 @@ def inject_parameters(nb: nbformat.NotebookNode, params: Mapping[str, object]) -
     )
     cell = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})
     nb.cells.insert(index + 1, cell)
-
-
-@contextmanager
-def _environment(changes: Mapping[str, str]) -> Iterator[None]:
-    """Set environment variables for the kernel we start, then restore them."""
-    old = {k: os.environ.get(k) for k in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _collect(nb: nbformat.NotebookNode, run: LessonRun) -> None:
@@ -122,7 +106,7 @@ def run_lesson(
         "MPLBACKEND": "module://matplotlib_inline.backend_inline",
     }
     try:
-        with _environment(env):
+        with temporary_environ(env):
             client.execute()
     except CellExecutionError as exc:
         run.status = "failed"
