@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 from .devices import gpu_count
-from .util import temporary_environ
 
 __all__ = ["DistEnv", "LaunchPlan", "WorkerError", "launch", "plan_launch"]
 
@@ -186,8 +185,9 @@ class _Forward:
         return False
 
 
-def _entry(rank: int, payload: bytes, channel: Any, spec: dict) -> None:
+def _entry(rank: int, environ: dict[str, str], payload: bytes, channel: Any, spec: dict) -> None:
     """What each child process runs (importable, so the spawn start method can find it)."""
+    os.environ.update(environ)  # this rank's RANK, WORLD_SIZE, MASTER_ADDR, ...
     log = open(spec["log_dir"] / f"rank{rank}.log", "w", buffering=1)  # noqa: SIM115
     os.dup2(log.fileno(), 1)  # output from C/C++ (NCCL, gloo) lands in the log too
     os.dup2(log.fileno(), 2)
@@ -309,15 +309,17 @@ def launch(
         "MASTER_PORT": str(store.port),
         "WORLD_SIZE": str(world_size),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "OMP_NUM_THREADS": str(plan.threads_per_rank),
+        "OMP_NUM_THREADS": str(plan.threads_per_rank),  # for libraries the worker starts
     }
     try:
         for rank in range(world_size):
-            with temporary_environ({**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}):
-                proc = ctx.Process(
-                    target=_entry, args=(rank, payload, channel, spec), name=f"mgpu-rank{rank}"
-                )
-                proc.start()
+            # Passed as an argument, not through os.environ: two launches from two threads
+            # must not see each other's variables.
+            environ = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            proc = ctx.Process(
+                target=_entry, args=(rank, environ, payload, channel, spec), name=f"mgpu-rank{rank}"
+            )
+            proc.start()
             procs.append(proc)
         results = _collect(procs, channel, printer)
     finally:

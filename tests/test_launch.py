@@ -1,0 +1,227 @@
+"""The notebook launcher (lesson 04), with real processes over gloo on the CPU."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from mgpu_helpers.launch import DistEnv, WorkerError, launch, plan_launch
+
+
+def rank_sum(env: DistEnv, scale: float) -> tuple[int, int, float]:
+    t = torch.tensor([float(env.rank + 1)])
+    dist.all_reduce(t)  # 1 + 2 + ... + world_size on every rank
+    return env.rank, env.world_size, t.item() * scale
+
+
+def fails_on_rank_one(env: DistEnv) -> None:
+    if env.rank == 1:
+        raise ValueError(f"deliberate failure on rank 1 at {time.time()}")
+    dist.barrier()  # the others wait here for rank 1, which never comes
+
+
+def hangs(env: DistEnv) -> None:
+    if env.rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins this collective
+    else:
+        time.sleep(120)
+
+
+def exits_hard(env: DistEnv) -> None:
+    if env.rank == 1:
+        os._exit(3)
+    time.sleep(120)
+
+
+def identity(env: DistEnv) -> dict:
+    return {
+        "rank": env.rank,
+        "local_rank": env.local_rank,
+        "world_size": env.world_size,
+        "device": str(env.device),
+        "backend": dist.get_backend(),
+        "threads": torch.get_num_threads(),
+        "is_main": env.is_main,
+        "master": (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]),
+    }
+
+
+def own_init(env: DistEnv) -> int:
+    assert not dist.is_initialized()
+    dist.init_process_group(env.backend)  # env:// from the variables the launcher set
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def rank_children() -> list[psutil.Process]:
+    """Child processes left behind, apart from multiprocessing's own resource tracker."""
+    left = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.is_running() and "resource_tracker" not in " ".join(p.cmdline()):
+                left.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return left
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_results_come_back_in_rank_order(world_size: int) -> None:
+    results = launch(rank_sum, world_size, 2.0, device="cpu", echo=False)
+    total = world_size * (world_size + 1) / 2
+    assert results == [(r, world_size, total * 2.0) for r in range(world_size)]
+
+
+def test_each_rank_knows_who_it_is_and_threads_are_split() -> None:
+    infos = launch(identity, 2, device="cpu", echo=False)
+    assert [i["rank"] for i in infos] == [0, 1]
+    assert [i["is_main"] for i in infos] == [True, False]
+    assert {i["backend"] for i in infos} == {"gloo"}
+    assert {i["device"] for i in infos} == {"cpu"}
+    expected_threads = max(1, (os.cpu_count() or 1) // 2)
+    assert {i["threads"] for i in infos} == {expected_threads}
+    assert infos[0]["master"] == infos[1]["master"]
+
+
+def test_worker_defined_inside_a_function_is_sent_by_value() -> None:
+    offset = 7  # captured: the child cannot import this closure by name
+
+    def local_worker(env: DistEnv) -> int:
+        return env.rank + offset
+
+    assert launch(local_worker, 2, device="cpu", echo=False) == [7, 8]
+
+
+def test_worker_may_join_the_group_itself() -> None:
+    assert launch(own_init, 2, device="cpu", init_process_group=False, echo=False) == [2, 2]
+
+
+def test_failing_rank_stops_everyone_fast_with_its_traceback() -> None:
+    with pytest.raises(WorkerError) as info:
+        launch(fails_on_rank_one, 3, device="cpu", echo=False)
+    stopped = time.time()  # every rank is stopped when launch returns
+    raised = float(re.findall(r"failure on rank 1 at (\d+\.\d+)", str(info.value))[-1])
+    assert stopped - raised < 10, f"took {stopped - raised:.1f} s from the error to the stop"
+    assert info.value.rank == 1
+    assert "deliberate failure on rank 1" in str(info.value)
+    assert "fails_on_rank_one" in info.value.details  # the traceback, not just the message
+    assert rank_children() == []
+
+
+def test_a_hung_collective_becomes_an_error() -> None:
+    with pytest.raises(WorkerError) as info:
+        launch(hangs, 2, device="cpu", timeout=3, echo=False)
+    assert info.value.rank == 0
+    assert rank_children() == []
+
+
+def test_a_rank_that_dies_without_a_traceback_is_reported() -> None:
+    with pytest.raises(WorkerError, match="exited with code 3") as info:
+        launch(exits_hard, 2, device="cpu", echo=False)
+    assert info.value.rank == 1
+    assert rank_children() == []
+
+
+def test_back_to_back_and_concurrent_launches_do_not_collide() -> None:
+    for _ in range(2):  # back to back
+        assert launch(rank_sum, 2, 1.0, device="cpu", echo=False) == [(0, 2, 3.0), (1, 2, 3.0)]
+    outcomes: dict[int, object] = {}
+
+    def run(slot: int) -> None:
+        try:
+            outcomes[slot] = launch(rank_sum, 2, float(slot), device="cpu", echo=False)
+        except Exception as exc:  # reported below
+            outcomes[slot] = exc
+
+    threads = [threading.Thread(target=run, args=(slot,)) for slot in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert outcomes == {1: [(0, 2, 3.0), (1, 2, 3.0)], 2: [(0, 2, 6.0), (1, 2, 6.0)]}
+    assert rank_children() == []
+
+
+def test_output_is_streamed_with_rank_prefixes_and_logged(capsys, tmp_path) -> None:
+    def chatty(env: DistEnv) -> None:
+        print(f"hello from rank {env.rank}")
+
+    launch(chatty, 2, device="cpu", log_dir=tmp_path)
+    out = capsys.readouterr().out
+    assert "hello from rank 0" in out
+    assert "[rank 1] hello from rank 1" in out
+    assert "launching 2 ranks as CPU processes, backend gloo" in out
+    assert "hello from rank 1" in (tmp_path / "rank1.log").read_text()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 0}, "world_size must be"),
+        ({"world_size": 2, "device": "tpu"}, "device='tpu' is unknown"),
+        ({"world_size": 2, "device": "cuda", "n_gpus": 0}, "no GPU is visible"),
+        ({"world_size": 4, "device": "cuda", "n_gpus": 2}, "share_gpus=True"),
+        ({"world_size": 4, "n_gpus": 2}, "share_gpus=True"),
+        ({"world_size": 2, "device": "cpu", "backend": "nccl"}, "NCCL backend needs GPUs"),
+        (
+            {"world_size": 2, "device": "cuda", "n_gpus": 1, "share_gpus": True, "backend": "nccl"},
+            "NCCL refuses",
+        ),
+        ({"world_size": 2, "backend": "mpi", "n_gpus": 0}, "backend='mpi' is unknown"),
+    ],
+)
+def test_plan_rejects_what_the_hardware_cannot_do(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        plan_launch(**kwargs)
+
+
+def test_plan_picks_the_backend_from_the_hardware() -> None:
+    assert plan_launch(2, n_gpus=0, cpu_count=2).backend == "gloo"
+    assert plan_launch(2, n_gpus=0, cpu_count=2).threads_per_rank == 1
+    shared = plan_launch(3, n_gpus=1, share_gpus=True)
+    assert (shared.device_type, shared.backend, shared.share_gpus) == ("cuda", "gloo", True)
+    own = plan_launch(2, n_gpus=2)
+    assert own.device_type == "cuda" and not own.share_gpus
+    assert own.backend == ("nccl" if dist.is_nccl_available() else "gloo")
+
+
+def test_launch_rejects_bad_requests_before_starting_anything() -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        launch(rank_sum, 2, 1.0, device="cpu", timeout=0, echo=False)
+    with pytest.raises(ValueError, match="world_size"):
+        launch(rank_sum, 0, 1.0, echo=False)
+    assert rank_children() == []
+
+
+def test_dist_env_from_environ_needs_the_launcher_variables(monkeypatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        DistEnv.from_environ("cpu")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    env = DistEnv.from_environ("cpu")
+    assert (env.rank, env.local_rank, env.world_size, env.backend) == (1, 1, 2, "gloo")
+    assert not env.is_main
+
+
+@pytest.mark.multigpu
+def test_one_gpu_per_rank_over_nccl() -> None:
+    infos = launch(identity, 2, device="cuda", echo=False)
+    assert [i["device"] for i in infos] == ["cuda:0", "cuda:1"]
+    assert {i["backend"] for i in infos} == {"nccl"}
+
+
+@pytest.mark.gpu
+def test_ranks_sharing_one_gpu_over_gloo() -> None:
+    infos = launch(identity, 2, device="cuda", share_gpus=True, echo=False)
+    assert {i["backend"] for i in infos} == {"gloo"}
+    assert all(i["device"].startswith("cuda:") for i in infos)
