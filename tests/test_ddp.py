@@ -1,0 +1,106 @@
+"""Lesson 04: DDP with real processes over gloo, checked against one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mgpu_helpers.config import LessonConfig
+from mgpu_helpers.ddp import (
+    ddp_step_worker,
+    load_checkpoint,
+    per_rank_batch_size,
+    reference_steps,
+    sampler_indices_worker,
+    save_checkpoint,
+    throughput_worker,
+    train_worker,
+    wrap_ddp,
+)
+from mgpu_helpers.launch import DistEnv, launch
+from mgpu_helpers.models import small_cnn
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ddp_on_n_ranks_equals_one_process_on_the_whole_batch(world_size: int) -> None:
+    per_rank = 4
+    results = launch(ddp_step_worker, world_size, 3, per_rank, device="cpu", echo=False)
+    reference = reference_steps(3, per_rank * world_size)
+    for r in results:
+        for name, value in reference["params"].items():
+            torch.testing.assert_close(r["params"][name], value, msg=f"parameter {name}")
+        # after backward every rank holds the same, averaged gradient ...
+        for g, g_ref in zip(r["first_grads"], reference["first_grads"], strict=True):
+            torch.testing.assert_close(g, g_ref)
+    # ... although each rank computed a different loss on its own shard
+    assert len({round(r["first_loss"], 6) for r in results}) == world_size
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_distributed_sampler_covers_every_sample_once_per_epoch(world_size: int) -> None:
+    n = 12 * world_size
+    seen = launch(sampler_indices_worker, world_size, n, 2, device="cpu", echo=False)
+    for epoch in range(2):
+        together = sorted(i for rank in seen for i in rank[epoch])
+        assert together == list(range(n))
+    assert seen[0][0] != seen[0][1], "set_epoch should reshuffle between epochs"
+
+
+def test_forgetting_set_epoch_repeats_the_order_and_a_plain_loader_duplicates_data() -> None:
+    seen = launch(sampler_indices_worker, 2, 24, 2, False, device="cpu", echo=False)
+    assert seen[0][0] == seen[0][1], "without set_epoch every epoch has the same order"
+
+
+def checkpoint_worker(env: DistEnv, path: str) -> list[float]:
+    torch.manual_seed(env.rank)  # different weights per rank, on purpose
+    model = wrap_ddp(small_cnn(), env)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    save_checkpoint(path, model, optimizer, env, epoch=3)
+    fresh = small_cnn()
+    epoch = load_checkpoint(path, fresh, None, env.device)
+    first = next(fresh.parameters()).flatten()[:3]
+    assert epoch == 3
+    dist.barrier()
+    return first.tolist()
+
+
+def test_checkpoint_is_written_by_rank_zero_and_read_by_all(tmp_path) -> None:
+    path = str(tmp_path / "ckpt.pt")
+    firsts = launch(checkpoint_worker, 2, path, device="cpu", echo=False)
+    torch.manual_seed(0)
+    expected = next(small_cnn().parameters()).flatten()[:3].tolist()
+    assert firsts == [pytest.approx(expected), pytest.approx(expected)]
+
+
+def test_train_worker_learns_and_reports_global_metrics(monkeypatch) -> None:
+    monkeypatch.setenv("MGPU_QUICK", "0")
+    cfg = LessonConfig(epochs=3, batch_size=64, progress=False)
+    results = launch(train_worker, 2, cfg, device="cpu", echo=False)
+    h0, h1 = results[0]["history"], results[1]["history"]
+    assert h0.test_acc == h1.test_acc  # reduced: every rank reports the same numbers
+    assert h0.test_acc[-1] > 0.85
+    assert h0.train_loss[-1] < h0.train_loss[0]
+
+
+def test_throughput_worker_returns_a_rate() -> None:
+    cfg = LessonConfig(batch_size=16, model="mlp", quick=True, progress=False)
+    rates = launch(throughput_worker, 2, cfg, 3, device="cpu", echo=False)
+    assert rates[0] == rates[1] > 0
+
+
+@pytest.mark.parametrize(("b", "n", "ok"), [(64, 2, 32), (63, 2, None), (10, 3, None)])
+def test_per_rank_batch_size(b: int, n: int, ok: int | None) -> None:
+    if ok is None:
+        with pytest.raises(ValueError, match="multiple of"):
+            per_rank_batch_size(b, n)
+    else:
+        assert per_rank_batch_size(b, n) == ok
+
+
+@pytest.mark.multigpu
+def test_ddp_equivalence_on_two_gpus() -> None:
+    results = launch(ddp_step_worker, 2, 2, 4, device="cuda", echo=False)
+    reference = reference_steps(2, 8)
+    for name, value in reference["params"].items():
+        torch.testing.assert_close(results[0]["params"][name], value, rtol=1e-4, atol=1e-5)
