@@ -1,0 +1,309 @@
+"""Model parallelism: a model split across devices, and pipelined micro-batches (lesson 05).
+
+:class:`SplitModel` runs consecutive stages on consecutive devices and moves the activations
+between them in ``forward``; autograd carries the gradients back across devices on its own.
+:func:`pipeline_step` runs a GPipe schedule: the batch is cut into micro-batches, every stage
+runs in its own thread, forwards for all micro-batches, then backwards in reverse, so stage 1
+can work on micro-batch 0 while stage 0 works on micro-batch 1. It records a timeline of what
+ran when (CUDA events on GPUs, the wall clock on the CPU). :func:`balance` chooses where to cut
+an ``nn.Sequential`` so the stages cost about the same, by parameter count or measured time.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .timing import measure, synchronize
+
+__all__ = [
+    "Event",
+    "SplitModel",
+    "balance",
+    "bubble_fraction",
+    "idle_fraction",
+    "layer_costs",
+    "memory_by_device",
+    "pipeline_step",
+    "split_sequential",
+]
+
+
+class SplitModel(nn.Module):
+    """Stages of a model, each on its own device; ``forward`` moves activations between them."""
+
+    def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device | str]) -> None:
+        super().__init__()
+        if len(stages) != len(devices) or not stages:
+            raise ValueError(f"need one device per stage, got {len(stages)} and {len(devices)}")
+        self.devices = [torch.device(d) for d in devices]
+        self.stages = nn.ModuleList(s.to(d) for s, d in zip(stages, self.devices, strict=True))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for stage, device in zip(self.stages, self.devices, strict=True):
+            x = stage(x.to(device))  # the activation crosses to the next device here
+        return x
+
+
+def split_sequential(
+    model: nn.Sequential, cuts: Sequence[int], devices: Sequence[torch.device | str]
+) -> SplitModel:
+    """Cut ``model`` before the layer indices in ``cuts`` and put stage i on ``devices[i]``.
+
+    ``cuts=[4]`` on a 10-layer model gives stages ``model[:4]`` and ``model[4:]``.
+    """
+    n = len(model)
+    points = [0, *cuts, n]
+    if any(b <= a for a, b in zip(points, points[1:], strict=False)):
+        raise ValueError(
+            f"cuts must be increasing layer indices strictly between 0 and {n}, got {list(cuts)}"
+        )
+    stages = [model[a:b] for a, b in zip(points, points[1:], strict=False)]
+    return SplitModel(stages, devices)
+
+
+def layer_costs(
+    model: nn.Sequential, by: str = "params", sample: Tensor | None = None, repeats: int = 3
+) -> list[float]:
+    """The cost of each layer: its parameter count, or its measured forward+backward seconds."""
+    if by == "params":
+        return [float(sum(p.numel() for p in layer.parameters())) for layer in model]
+    if by != "time":
+        raise ValueError(f"by={by!r} is unknown; choose 'params' or 'time'")
+    if sample is None:
+        raise ValueError("by='time' needs a sample input batch to time the layers on")
+    costs = []
+    x = sample
+    device = sample.device
+    for layer in model:
+        inp = x.detach().requires_grad_(x.is_floating_point())
+
+        def run(layer: nn.Module = layer, inp: Tensor = inp) -> None:
+            out = layer(inp)
+            if out.requires_grad:
+                out.sum().backward()
+
+        costs.append(measure(run, device, warmup=1, repeats=repeats).median)
+        with torch.no_grad():
+            x = layer(x)
+    model.zero_grad(set_to_none=True)
+    return costs
+
+
+def balance(costs: Sequence[float], n_stages: int) -> list[int]:
+    """Cut points that minimise the most expensive stage (contiguous stages, exact search)."""
+    n = len(costs)
+    if not 1 <= n_stages <= n:
+        raise ValueError(f"n_stages must be between 1 and the {n} layers, got {n_stages}")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: smallest possible maximum stage cost for the first i layers in k stages
+    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n_stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    points, i = [], n
+    for k in range(n_stages, 1, -1):
+        i = cut[k][i]
+        points.append(i)
+    return sorted(points)
+
+
+def memory_by_device(
+    model: nn.Module, optimizer_slots: int = 1, sample: Tensor | None = None
+) -> dict[str, dict[str, int]]:
+    """Bytes of parameters, gradients, optimizer state and activations on each device.
+
+    Computed from tensor sizes, so it works on the CPU too: gradients are as large as the
+    parameters, ``optimizer_slots`` is the number of state tensors per parameter (1 for SGD
+    with momentum, 2 for Adam), and activations are the outputs of every leaf module for
+    ``sample`` (what backward keeps), counted on the device they were made on.
+    """
+    report: dict[str, dict[str, int]] = {}
+
+    def row(device: torch.device) -> dict[str, int]:
+        return report.setdefault(
+            str(device), {"parameters": 0, "gradients": 0, "optimizer": 0, "activations": 0}
+        )
+
+    for p in model.parameters():
+        size = p.numel() * p.element_size()
+        r = row(p.device)
+        r["parameters"] += size
+        r["gradients"] += size
+        r["optimizer"] += optimizer_slots * size
+    if sample is not None:
+        hooks = []
+
+        def count(_module: nn.Module, _inputs: object, output: object) -> None:
+            if isinstance(output, Tensor):
+                row(output.device)["activations"] += output.numel() * output.element_size()
+
+        for module in model.modules():
+            if not list(module.children()):
+                hooks.append(module.register_forward_hook(count))
+        try:
+            with torch.no_grad():
+                model(sample)
+        finally:
+            for h in hooks:
+                h.remove()
+    return report
+
+
+@dataclass(frozen=True)
+class Event:
+    """One piece of work in a pipeline timeline: stage, micro-batch, forward or backward."""
+
+    stage: int
+    micro: int
+    kind: str  # "F" (forward) or "B" (backward)
+    start: float  # seconds since the step started
+    end: float
+
+
+class _Clock:
+    """Timestamps per device: CUDA events on GPUs, the wall clock on the CPU."""
+
+    def __init__(self, devices: Sequence[torch.device]) -> None:
+        for d in devices:
+            synchronize(d)
+        self.t0 = time.perf_counter()
+        self.origins = {}
+        for d in devices:
+            if d.type == "cuda" and d not in self.origins:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(torch.cuda.current_stream(d))
+                self.origins[d] = event
+
+    def mark(self, device: torch.device) -> object:
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(device))
+            return event
+        return time.perf_counter() - self.t0
+
+    def seconds(self, device: torch.device, mark: object) -> float:
+        if device.type == "cuda":
+            return self.origins[device].elapsed_time(mark) / 1e3  # type: ignore[arg-type]
+        return float(mark)  # type: ignore[arg-type]
+
+
+def pipeline_step(
+    model: SplitModel,
+    optimizer: torch.optim.Optimizer,
+    inputs: Tensor,
+    targets: Tensor,
+    n_micro: int,
+    *,
+    loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
+) -> tuple[Tensor, list[Event]]:
+    """One training step with the GPipe schedule over ``n_micro`` micro-batches.
+
+    Each stage runs in its own thread: all forwards in order, then all backwards in reverse.
+    Micro-batch losses are weighted by their share of the batch, so the accumulated gradients
+    equal the whole batch's. ``n_micro=1`` is the naive split, with no overlap. Returns the
+    batch's mean loss and the timeline.
+    """
+    if not isinstance(n_micro, int) or n_micro < 1:
+        raise ValueError(f"n_micro must be a whole number >= 1, got {n_micro!r}")
+    if n_micro > inputs.shape[0]:
+        raise ValueError(f"n_micro={n_micro} is more than the {inputs.shape[0]} samples")
+    stages, devices = list(model.stages), model.devices
+    n_stages = len(stages)
+    xs, ys = inputs.chunk(n_micro), targets.chunk(n_micro)
+    n_micro = len(xs)  # chunk may make fewer pieces
+    total = inputs.shape[0]
+    forward_q = [queue.Queue() for _ in range(n_stages + 1)]  # into stage s
+    backward_q = [queue.Queue() for _ in range(n_stages + 1)]  # gradient into stage s
+    for m, x in enumerate(xs):
+        forward_q[0].put((m, x))
+    clock = _Clock(devices)
+    marks: list[tuple[int, int, str, object, object]] = []
+    losses: list[Tensor] = [torch.zeros(())] * n_micro
+    errors: list[BaseException] = []
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+
+    def run_stage(s: int) -> None:
+        dev, stage = devices[s], stages[s]
+        saved: dict[int, tuple[Tensor, Tensor]] = {}
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)  # this thread issues its work to its own GPU
+        try:
+            for _ in range(n_micro):
+                m, x = forward_q[s].get()
+                begin = clock.mark(dev)
+                inp = x.detach().to(dev).requires_grad_(s > 0)
+                out = stage(inp)
+                if s == n_stages - 1:
+                    weight = xs[m].shape[0] / total
+                    out = loss_fn(out, ys[m].to(dev)) * weight
+                    losses[m] = out.detach()
+                saved[m] = (inp, out)
+                marks.append((s, m, "F", begin, clock.mark(dev)))
+                forward_q[s + 1].put((m, out.detach()))
+            for _ in range(n_micro):
+                if s == n_stages - 1:
+                    m = max(saved)  # the last stage starts with the last micro-batch
+                    grad = None
+                else:
+                    m, grad = backward_q[s].get()
+                inp, out = saved.pop(m)
+                begin = clock.mark(dev)
+                out.backward(None if grad is None else grad.to(out.device))
+                marks.append((s, m, "B", begin, clock.mark(dev)))
+                if s > 0:
+                    backward_q[s - 1].put((m, inp.grad))
+        except BaseException as exc:  # surfaced in the caller's thread
+            errors.append(exc)
+            for q in (*forward_q, *backward_q):
+                q.put((-1, None))
+
+    threads = [threading.Thread(target=run_stage, args=(s,), daemon=True) for s in range(n_stages)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    for d in devices:
+        synchronize(d)
+    optimizer.step()
+    events = [
+        Event(s, m, k, clock.seconds(devices[s], a), clock.seconds(devices[s], b))
+        for s, m, k, a, b in marks
+    ]
+    loss = torch.stack([loss.to(inputs.device) for loss in losses]).sum()
+    return loss, sorted(events, key=lambda e: (e.stage, e.start))
+
+
+def bubble_fraction(n_stages: int, n_micro: int) -> float:
+    """Idle share of an ideal GPipe schedule with equal stages: (S - 1) / (M + S - 1)."""
+    if n_stages < 1 or n_micro < 1:
+        raise ValueError(f"need n_stages >= 1 and n_micro >= 1, got {n_stages}, {n_micro}")
+    return (n_stages - 1) / (n_micro + n_stages - 1)
+
+
+def idle_fraction(events: Sequence[Event]) -> float:
+    """Measured idle share: 1 - busy time / (stages x time from first start to last end)."""
+    if not events:
+        raise ValueError("no events to measure")
+    stages = {e.stage for e in events}
+    span = max(e.end for e in events) - min(e.start for e in events)
+    busy = sum(e.end - e.start for e in events)
+    return 1.0 - busy / (len(stages) * span) if span > 0 else 0.0

@@ -1,0 +1,195 @@
+"""Lesson 05: split models, the GPipe schedule and balancing, checked against one device."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mgpu_helpers.model_parallel import (
+    Event,
+    SplitModel,
+    balance,
+    bubble_fraction,
+    idle_fraction,
+    layer_costs,
+    memory_by_device,
+    pipeline_step,
+    split_sequential,
+)
+from mgpu_helpers.models import mlp, small_cnn
+
+
+def data(n: int = 24, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def reference_step(model: nn.Module, x, y, lr: float = 0.1) -> torch.Tensor:
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def assert_same_parameters(a: nn.Module, b: nn.Module) -> None:
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(q.cpu(), p.cpu())
+
+
+@pytest.mark.parametrize("cuts", [[4], [2, 7], [1, 5, 9]])
+def test_split_model_matches_the_unsplit_model(cuts: list[int]) -> None:
+    torch.manual_seed(0)
+    whole = small_cnn()
+    split = split_sequential(copy.deepcopy(whole), cuts, ["cpu"] * (len(cuts) + 1))
+    x, y = data()
+    torch.testing.assert_close(split(x), whole(x))
+    F.cross_entropy(whole(x), y).backward()
+    F.cross_entropy(split(x), y).backward()
+    for p, q in zip(whole.parameters(), split.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad)
+
+
+@pytest.mark.parametrize("n_micro", [1, 2, 3, 5, 24])
+@pytest.mark.parametrize("n_stages", [2, 3])
+def test_pipelined_step_equals_the_plain_step(n_micro: int, n_stages: int) -> None:
+    torch.manual_seed(0)
+    whole = mlp(64, hidden=32, depth=4)
+    cuts = balance(layer_costs(whole), n_stages)
+    split = split_sequential(copy.deepcopy(whole), cuts, ["cpu"] * n_stages)
+    x, y = data(24)
+    expected_loss = reference_step(whole, x, y)
+    opt = torch.optim.SGD(split.parameters(), lr=0.1, momentum=0.9)
+    loss, events = pipeline_step(split, opt, x, y, n_micro)
+    torch.testing.assert_close(loss, expected_loss)
+    assert_same_parameters(whole, split)
+    assert len(events) == 2 * n_stages * min(n_micro, 24)
+    assert {e.kind for e in events} == {"F", "B"}
+
+
+def test_schedule_order_respects_dependencies() -> None:
+    torch.manual_seed(0)
+    split = split_sequential(mlp(64, hidden=32, depth=4), [4], ["cpu", "cpu"])
+    opt = torch.optim.SGD(split.parameters(), lr=0.1)
+    x, y = data(16)
+    _, events = pipeline_step(split, opt, x, y, 4)
+    when = {(e.stage, e.micro, e.kind): e for e in events}
+    for m in range(4):
+        assert when[(1, m, "F")].start >= when[(0, m, "F")].end  # stage 1 waits for stage 0
+        assert when[(0, m, "B")].start >= when[(1, m, "B")].end  # and the reverse backward
+    backward_order = [
+        e.micro for e in sorted(events, key=lambda e: e.start) if e.stage == 1 and e.kind == "B"
+    ]
+    assert backward_order == [3, 2, 1, 0]
+
+
+def test_pipeline_errors_surface_in_the_caller() -> None:
+    split = split_sequential(mlp(64), [2], ["cpu", "cpu"])
+    opt = torch.optim.SGD(split.parameters(), lr=0.1)
+    x, y = data(8)
+    with pytest.raises(RuntimeError):
+        pipeline_step(split, opt, x[:, :, :4], y, 2)  # wrong input size fails inside a stage
+    with pytest.raises(ValueError, match="n_micro"):
+        pipeline_step(split, opt, x, y, 0)
+    with pytest.raises(ValueError, match="more than the 8 samples"):
+        pipeline_step(split, opt, x, y, 9)
+
+
+def test_balance_finds_the_best_contiguous_split() -> None:
+    assert balance([1, 1, 1, 10, 1, 1], 3) == [3, 4]
+    assert balance([5, 1, 1, 1, 1, 1], 2) == [1]
+    assert balance([1, 1, 1, 1], 2) == [2]
+    assert balance([3, 3, 3], 3) == [1, 2]
+    assert balance([7.0], 1) == []
+    with pytest.raises(ValueError, match="n_stages"):
+        balance([1, 2], 3)
+
+
+def test_balance_by_parameters_on_uneven_layers() -> None:
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    costs = layer_costs(model)
+    assert costs == [262656.0, 4104.0, 72.0, 72.0]
+    (cut,) = balance(costs, 2)
+    assert cut == 1  # the big layer alone; half the layers each would put 3 of 4 costs first
+    naive_max = max(sum(costs[:2]), sum(costs[2:]))
+    balanced_max = max(sum(costs[:cut]), sum(costs[cut:]))
+    assert balanced_max < naive_max
+
+
+def test_layer_costs_by_time_needs_a_sample() -> None:
+    model = mlp(64, depth=2)
+    with pytest.raises(ValueError, match="sample"):
+        layer_costs(model, by="time")
+    with pytest.raises(ValueError, match="'params' or 'time'"):
+        layer_costs(model, by="flops")
+    x, _ = data(8)
+    times = layer_costs(model, by="time", sample=x, repeats=2)
+    assert len(times) == len(model) and all(t > 0 for t in times)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_split_rejects_bad_cuts_and_device_counts() -> None:
+    with pytest.raises(ValueError, match="increasing"):
+        split_sequential(small_cnn(), [5, 3], ["cpu"] * 3)
+    with pytest.raises(ValueError, match="increasing"):
+        split_sequential(small_cnn(), [0], ["cpu"] * 2)
+    with pytest.raises(ValueError, match="one device per stage"):
+        SplitModel([nn.Identity()], ["cpu", "cpu"])
+
+
+def test_memory_by_device_counts_parameters_gradients_state_and_activations() -> None:
+    model = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 5))
+    x = torch.randn(4, 10)
+    report = memory_by_device(model, optimizer_slots=2, sample=x)["cpu"]
+    params = (10 * 20 + 20 + 20 * 5 + 5) * 4
+    assert report["parameters"] == report["gradients"] == params
+    assert report["optimizer"] == 2 * params
+    assert report["activations"] == (4 * 20 + 4 * 20 + 4 * 5) * 4
+
+
+def test_bubble_and_idle_fractions() -> None:
+    assert bubble_fraction(2, 1) == pytest.approx(0.5)
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(1, 5) == 0.0
+    with pytest.raises(ValueError):
+        bubble_fraction(0, 1)
+    # two stages, one micro-batch, equal work: each idle half the time
+    events = [
+        Event(0, 0, "F", 0, 1),
+        Event(1, 0, "F", 1, 2),
+        Event(1, 0, "B", 2, 3),
+        Event(0, 0, "B", 3, 4),
+    ]
+    assert idle_fraction(events) == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        idle_fraction([])
+
+
+@pytest.mark.gpu
+def test_split_and_pipeline_on_one_gpu_twice() -> None:
+    torch.manual_seed(0)
+    whole = mlp(64, hidden=64, depth=4).cuda()
+    split = split_sequential(copy.deepcopy(whole), [4], ["cuda:0", "cuda:0"])
+    x, y = (t.cuda() for t in data(32))
+    reference_step(whole, x, y)
+    pipeline_step(split, torch.optim.SGD(split.parameters(), lr=0.1, momentum=0.9), x, y, 4)
+    assert_same_parameters(whole, split)
+
+
+@pytest.mark.multigpu
+def test_split_and_pipeline_on_two_gpus() -> None:
+    torch.manual_seed(0)
+    whole = mlp(64, hidden=64, depth=4).to("cuda:0")
+    split = split_sequential(copy.deepcopy(whole), [4], ["cuda:0", "cuda:1"])
+    x, y = (t.to("cuda:0") for t in data(32))
+    torch.testing.assert_close(split(x).to("cuda:0"), whole(x))
+    reference_step(whole, x, y)
+    _, events = pipeline_step(
+        split, torch.optim.SGD(split.parameters(), lr=0.1, momentum=0.9), x, y, 4
+    )
+    assert_same_parameters(whole, split)
+    assert all(e.end >= e.start >= 0 for e in events)
