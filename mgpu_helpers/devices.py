@@ -9,17 +9,21 @@ NCCL version) is read in a short-lived subprocess unless this process already in
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "DeviceCheck",
     "GpuInfo",
     "Hardware",
     "Plan",
@@ -29,6 +33,8 @@ __all__ = [
     "gpu_count",
     "hardware_as_dict",
     "nvidia_smi",
+    "sanity_check_devices",
+    "tensor_sanity",
 ]
 
 
@@ -225,3 +231,85 @@ def nvidia_smi(*args: str, timeout: float = 30.0) -> str | None:
 def hardware_as_dict(hw: Hardware) -> dict:
     """The report as plain JSON-ready data (used by `make course` and `mgpu doctor --json`)."""
     return asdict(hw)
+
+
+@dataclass(frozen=True)
+class DeviceCheck:
+    """The tiny tensor sanity check on one device (lesson 00)."""
+
+    device: str
+    ok: bool
+    max_abs_error: float | None  # largest |device result - float64 CPU result|; None on failure
+    seconds: float | None  # wall time of the check, copies included; None on failure
+    error: str | None = None  # what went wrong, when ok is False
+
+
+def tensor_sanity(device: str, size: int = 64, seed: int = 0) -> DeviceCheck:
+    """Copy a seeded matrix to ``device``, multiply it there, copy back, compare (lesson 00).
+
+    The reference is the same product in float64 on the CPU; the tolerance (1% of the largest
+    entry) catches a device that computes garbage, not rounding (TF32 included). A device that
+    cannot allocate, compute or copy gives ``ok=False`` with the error, never an exception.
+    """
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"size must be a whole number >= 1, got {size!r}")
+    start = time.perf_counter()
+    try:
+        a = torch.randn(size, size, generator=torch.Generator().manual_seed(seed))
+        reference = a.double() @ a.double().T
+        on_device = a.to(device)
+        result = (on_device @ on_device.T).to("cpu")  # copying back waits for the device
+        error = (result.double() - reference).abs().max().item()
+    except Exception as exc:  # the point is to report it
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return DeviceCheck(str(device), False, None, None, f"{type(exc).__name__}: {first}")
+    seconds = time.perf_counter() - start
+    tolerance = 1e-2 * reference.abs().max().item()
+    if math.isfinite(error) and error <= tolerance:
+        return DeviceCheck(str(device), True, error, seconds)
+    problem = f"result differs from the CPU reference by {error:.3g} (tolerance {tolerance:.3g})"
+    return DeviceCheck(str(device), False, error, seconds, problem)
+
+
+def sanity_check_devices(
+    devices: Sequence[str],
+    size: int = 64,
+    *,
+    in_subprocess: bool | None = None,
+    timeout: float = 120.0,
+) -> tuple[DeviceCheck, ...]:
+    """:func:`tensor_sanity` on each distinct device in ``devices``, in order (lesson 00).
+
+    ``in_subprocess=None`` runs the checks in a short-lived child process when one of the
+    devices is a GPU and this process has not initialised CUDA yet, so a notebook kernel stays
+    free of a CUDA context (see the module docstring); CPU-only checks run here.
+    """
+    distinct = list(dict.fromkeys(str(d) for d in devices))
+    if not distinct:
+        raise ValueError("no devices to check; pass e.g. course_plan().devices")
+    if in_subprocess is None:
+        uses_gpu = any(torch.device(d).type == "cuda" for d in distinct)
+        in_subprocess = uses_gpu and not torch.cuda.is_initialized()
+    if not in_subprocess:
+        return tuple(tensor_sanity(d, size) for d in distinct)
+    code = (
+        "import json, sys, dataclasses, mgpu_helpers.devices as d\n"
+        "size = int(sys.argv[1])\n"
+        "print(json.dumps([dataclasses.asdict(d.tensor_sanity(x, size)) for x in sys.argv[2:]]))"
+    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(size), *distinct],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if out.returncode != 0:
+            last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"the check process exited with code {out.returncode}: {last}")
+        rows = json.loads(out.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, RuntimeError, ValueError, IndexError) as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return tuple(DeviceCheck(d, False, None, None, first) for d in distinct)
+    return tuple(DeviceCheck(**row) for row in rows)
