@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     clean = sub.add_parser("clean", help="strip outputs and editor metadata from the lessons")
     clean.add_argument("--notebooks", default="notebooks")
+    clean.add_argument("paths", nargs="*", help="notebooks to clean (default: every lesson)")
     student = sub.add_parser("student", help="write the student edition (solutions stubbed)")
     student.add_argument("--notebooks", default="notebooks")
     student.add_argument("--out", default="build/student")
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
     lessons = find_lessons(args.notebooks)
     if args.command == "clean":
-        for path in lessons:
+        for path in [Path(p) for p in args.paths] or lessons:
             print(f"{'cleaned' if clean_notebook(path) else 'clean  '} {path}")
         return 0
     if args.command == "student":
