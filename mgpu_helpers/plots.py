@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
+import matplotlib
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
+from .model_parallel import Event, bubble_fraction
 from .train import History
 
-__all__ = ["plot_batch_split", "plot_history", "plot_throughput"]
+__all__ = [
+    "plot_batch_split",
+    "plot_history",
+    "plot_ideal_schedule",
+    "plot_memory",
+    "plot_micro_batch_sweep",
+    "plot_throughput",
+    "plot_timeline",
+]
 
 
 def plot_history(runs: History | Mapping[str, History], title: str = "") -> Figure:
@@ -57,7 +68,9 @@ def plot_throughput(
             zorder=3,
             label="ideal",
         )
-        ax.legend()
+        ax.legend(loc="upper left")
+    top = max([*values, *(ideal or {}).values()])
+    ax.set_ylim(0, 1.25 * top)  # headroom for the labels and the legend
     ax.set(ylabel="samples / s", title=title)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -87,7 +100,7 @@ def plot_batch_split(batch_size: int, n_devices: int) -> Figure:
             ax.text(0.5, d, "idle: no samples", va="center", color="gray")
         start += n
     ax.set_yticks(range(n_devices), [f"device {d}" for d in range(n_devices)])
-    ax.invert_yaxis()
+    ax.set_ylim(n_devices - 0.5, -0.5)  # device 0 on top, and room for an idle last row
     ax.set_xlim(0, batch_size)
     ax.set_xlabel("sample index in the batch")
     used = sum(1 for n in sizes if n)
@@ -95,5 +108,184 @@ def plot_batch_split(batch_size: int, n_devices: int) -> Figure:
         f"batch of {batch_size} on {n_devices} devices: shards {sizes[:used]}"
         + (f", {n_devices - used} idle" if used < n_devices else "")
     )
+    fig.tight_layout()
+    return fig
+
+
+def plot_timeline(events: Sequence[Event], title: str = "", *, time_unit: str = "ms") -> Figure:
+    """A pipeline timeline (lesson 05): one row per stage, one bar per forward or backward.
+
+    Bars are coloured by micro-batch; forwards are plain, backwards hatched. ``events`` come
+    from ``pipeline_step`` (seconds, shown in ``time_unit`` "ms" or "s") or from an ideal
+    schedule in time slots (``time_unit="slots"``). Gaps in a row are that stage's idle time.
+    """
+    if not events:
+        raise ValueError("no events to draw; pass the timeline that pipeline_step returned")
+    scale = {"ms": 1e3, "s": 1.0, "slots": 1.0}.get(time_unit)
+    if scale is None:
+        raise ValueError(f"time_unit={time_unit!r} is unknown; choose 'ms', 's' or 'slots'")
+    n_stages = max(e.stage for e in events) + 1
+    n_micro = max(e.micro for e in events) + 1
+    t0 = min(e.start for e in events)
+    span = (max(e.end for e in events) - t0) * scale
+    fig = Figure(figsize=(10, 0.9 + 0.55 * n_stages))
+    ax = fig.subplots()
+    cmap = "tab10" if n_micro <= 10 else "tab20"
+    colours = [matplotlib.colormaps[cmap](m % 20) for m in range(n_micro)]
+    for e in events:
+        left, width = (e.start - t0) * scale, (e.end - e.start) * scale
+        ax.barh(
+            e.stage,
+            width,
+            left=left,
+            height=0.7,
+            color=colours[e.micro],
+            edgecolor="black",
+            linewidth=0.5,
+            hatch="//" if e.kind == "B" else None,
+        )
+        if span > 0 and width / span > 0.025 * (1 + (n_micro > 9)):  # label bars wide enough
+            ax.text(
+                left + width / 2,
+                e.stage,
+                f"{e.kind}{e.micro}",
+                ha="center",
+                va="center",
+                fontsize="small",
+                bbox={"facecolor": "white", "alpha": 0.6, "pad": 0.5, "edgecolor": "none"},
+            )
+    ax.set_yticks(range(n_stages), [f"stage {s}" for s in range(n_stages)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, span if span > 0 else 1)
+    ax.set_xlabel("time slots" if time_unit == "slots" else f"time ({time_unit})")
+    ax.grid(axis="x", alpha=0.3)
+    handles = [
+        Patch(facecolor="white", edgecolor="black", label="forward (F)"),
+        Patch(facecolor="white", edgecolor="black", hatch="//", label="backward (B)"),
+    ]
+    ax.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize="small",
+        title=f"{n_micro} micro-batch{'es' if n_micro > 1 else ''}\n(colour = micro-batch)",
+        title_fontsize="small",
+    )
+    ax.set_title(title or f"{n_stages} stages, {n_micro} micro-batches")
+    fig.tight_layout()
+    return fig
+
+
+def _ideal_gpipe(n_stages: int, n_micro: int, backward_cost: float) -> list[Event]:
+    """The GPipe schedule with equal stages: forward 1 slot, backward ``backward_cost`` slots."""
+    events = []
+    forward_end = n_micro + n_stages - 1  # the last forward ends here
+    for s in range(n_stages):
+        for m in range(n_micro):
+            events.append(Event(s, m, "F", s + m, s + m + 1))
+            # backward runs in reverse: the last stage starts with the last micro-batch
+            start = forward_end + backward_cost * ((n_stages - 1 - s) + (n_micro - 1 - m))
+            events.append(Event(s, m, "B", start, start + backward_cost))
+    return events
+
+
+def plot_ideal_schedule(n_stages: int, n_micro: int, *, backward_cost: float = 2.0) -> Figure:
+    """The ideal GPipe schedule for ``n_stages`` equal stages and ``n_micro`` micro-batches.
+
+    Lesson 05 draws it next to the measured timelines. A forward takes one time slot and a
+    backward ``backward_cost`` slots (about twice a forward in practice); the idle share is
+    (S - 1) / (M + S - 1) whatever that ratio.
+    """
+    for name, value in (("n_stages", n_stages), ("n_micro", n_micro)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
+    if not backward_cost > 0:
+        raise ValueError(f"backward_cost must be > 0, got {backward_cost!r}")
+    bubble = bubble_fraction(n_stages, n_micro)
+    title = (
+        f"ideal GPipe schedule: S={n_stages} stages, M={n_micro} micro-batches, "
+        f"idle (S-1)/(M+S-1) = {bubble:.0%}"
+    )
+    events = _ideal_gpipe(n_stages, n_micro, float(backward_cost))
+    return plot_timeline(events, title, time_unit="slots")
+
+
+def plot_memory(
+    breakdown: Mapping[str, Mapping[str, float]],
+    title: str = "memory per device",
+    *,
+    unit: str = "MiB",
+) -> Figure:
+    """Stacked bars of memory per device (lesson 05): one bar per key, one layer per kind.
+
+    ``breakdown`` maps a bar label (e.g. "whole model: cuda:0") to bytes per kind, such as the
+    rows of ``memory_by_device``. Kinds keep the order in which they first appear.
+    """
+    divisor = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}.get(unit)
+    if divisor is None:
+        raise ValueError(f"unit={unit!r} is unknown; choose B, KiB, MiB or GiB")
+    if not breakdown:
+        raise ValueError("nothing to draw: breakdown is empty")
+    labels = list(breakdown)
+    kinds = list(dict.fromkeys(k for row in breakdown.values() for k in row))
+    fig = Figure(figsize=(max(5.0, 1.5 * len(labels) + 3), 4.0))
+    ax = fig.subplots()
+    bottoms = [0.0] * len(labels)
+    for i, kind in enumerate(kinds):
+        values = [breakdown[label].get(kind, 0) / divisor for label in labels]
+        ax.bar(
+            labels,
+            values,
+            bottom=bottoms,
+            color=f"C{i}",
+            label=kind,
+            edgecolor="black",
+            linewidth=0.5,
+        )
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    for x, total in enumerate(bottoms):
+        ax.text(x, total, f"{total:,.1f}", ha="center", va="bottom", fontsize="small")
+    ax.set_ylim(0, max(bottoms) * 1.15 if max(bottoms) > 0 else 1)
+    ax.set(ylabel=unit, title=title)
+    ax.tick_params(axis="x", labelsize="small")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def plot_micro_batch_sweep(
+    n_micro: Sequence[int],
+    samples_per_sec: Sequence[float],
+    *,
+    ideal: Sequence[float] | None = None,
+    baseline: float | None = None,
+    title: str = "pipeline throughput",
+) -> Figure:
+    """Throughput against the number of micro-batches (lesson 05).
+
+    ``ideal`` (dashed) is what the bubble formula predicts for each count; ``baseline`` (a
+    grey horizontal line) is the unsplit model on one device.
+    """
+    if len(n_micro) != len(samples_per_sec) or not n_micro:
+        raise ValueError(
+            f"need one throughput per micro-batch count, got {len(n_micro)} and "
+            f"{len(samples_per_sec)}"
+        )
+    if ideal is not None and len(ideal) != len(n_micro):
+        raise ValueError(f"need one ideal value per micro-batch count, got {len(ideal)}")
+    fig = Figure(figsize=(7, 3.8))
+    ax = fig.subplots()
+    ax.plot(n_micro, samples_per_sec, "-o", color="C0", label="pipelined (measured)")
+    if ideal is not None:
+        ax.plot(n_micro, ideal, "--", color="black", label="ideal (bubble formula)")
+    if baseline is not None:
+        ax.axhline(baseline, color="grey", linestyle=":", label="unsplit, one device")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(n_micro), [str(m) for m in n_micro])
+    ax.set_ylim(bottom=0)
+    ax.set(xlabel="micro-batches M", ylabel="samples / s", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
     fig.tight_layout()
     return fig

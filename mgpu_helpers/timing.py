@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,9 +17,19 @@ import torch
 __all__ = ["Timing", "measure", "synchronize"]
 
 
-def synchronize(device: torch.device | str) -> None:
-    """Wait until all queued work on ``device`` has finished (no-op on the CPU)."""
-    dev = torch.device(device)
+Devices = torch.device | str | Sequence[torch.device | str]
+
+
+def synchronize(device: Devices) -> None:
+    """Wait until all queued work on ``device`` (or on each of several) has finished.
+
+    A no-op on the CPU, where every operation has finished when it returns.
+    """
+    if isinstance(device, (list, tuple)):
+        for d in device:
+            synchronize(d)
+        return
+    dev = torch.device(device)  # type: ignore[arg-type]
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     elif dev.type == "mps":
@@ -47,12 +57,15 @@ class Timing:
 
 def measure(
     fn: Callable[[], object],
-    device: torch.device | str = "cpu",
+    device: Devices = "cpu",
     *,
     warmup: int = 2,
     repeats: int = 5,
 ) -> Timing:
-    """Time ``fn()``: ``warmup`` untimed calls, then ``repeats`` synchronised timed calls."""
+    """Time ``fn()``: ``warmup`` untimed calls, then ``repeats`` synchronised timed calls.
+
+    ``device`` may be a list: work spread over several GPUs is timed until all have finished.
+    """
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
     for _ in range(warmup):
