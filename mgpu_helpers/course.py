@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+import keyword
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -50,7 +51,7 @@ def inject_parameters(nb: nbformat.NotebookNode, params: Mapping[str, object]) -
     if not params:
         return
     for name in params:
-        if not name.isidentifier():
+        if not name.isidentifier() or keyword.iskeyword(name):  # `class = 1` cannot run
             raise ValueError(f"parameter name {name!r} is not a Python identifier")
     index = parameters_cell_index(nb)
     source = "# Parameters injected by the course runner\n" + "".join(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -134,8 +134,23 @@ def train_epoch(
 ) -> EpochResult:
     """One pass over ``loader`` that updates ``model``; returns mean loss, accuracy, speed."""
     model.train()
-    bar = tqdm(loader, desc=desc, leave=False, disable=not progress, unit="batch")
-    return _run(model, bar, torch.device(device), loss_fn, optimizer)
+    # The bar only counts batches; it must not wrap the loader: tqdm.auto's bar calls iter() on
+    # what it wraps as soon as it is created (tqdm issue #1598), which would start the
+    # DataLoader twice per epoch: a different shuffle than a plain loop, and, with worker
+    # processes, a second set of workers (tqdm issue #1467).
+    try:
+        total = len(loader)  # type: ignore[arg-type]
+    except TypeError:  # streamed data: a DataLoader over an IterableDataset has no length
+        total = None
+    with tqdm(total=total, desc=desc, leave=False, disable=not progress, unit="batch") as bar:
+        return _run(model, _counted(loader, bar), torch.device(device), loss_fn, optimizer)
+
+
+def _counted(loader: Iterable, bar: tqdm) -> Iterator:
+    """Yield the batches of ``loader`` and advance ``bar`` after each one."""
+    for batch in loader:
+        yield batch
+        bar.update()
 
 
 @torch.no_grad()
@@ -184,7 +199,11 @@ def fit(
             progress=progress,
             desc=f"epoch {epoch + 1}/{epochs}",
         )
-        test = evaluate(model, test_loader, device, loss_fn=loss_fn) if test_loader else None
+        test = (
+            evaluate(model, test_loader, device, loss_fn=loss_fn)
+            if test_loader is not None  # not truthiness: a loader over streamed data has no len()
+            else None
+        )
         history.append(epoch + 1, train, test)
         bar.set_postfix(
             loss=f"{train.loss:.3f}",
