@@ -156,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         return doctor()
     from .notebooks import clean_notebook, find_lessons
 
-    lessons = find_lessons(args.notebooks)
+    try:
+        lessons = find_lessons(args.notebooks)
+    except FileNotFoundError as exc:
+        parser.error(str(exc))
     if args.command == "clean":
         for path in [Path(p) for p in args.paths] or lessons:
             print(f"{'cleaned' if clean_notebook(path) else 'clean  '} {path}")

@@ -9,6 +9,7 @@ lesson is reported with its error while the others still run.
 
 from __future__ import annotations
 
+import ast
 import html
 import json
 import keyword
@@ -53,6 +54,16 @@ def inject_parameters(nb: nbformat.NotebookNode, params: Mapping[str, object]) -
     for name in params:
         if not name.isidentifier() or keyword.iskeyword(name):  # `class = 1` cannot run
             raise ValueError(f"parameter name {name!r} is not a Python identifier")
+    for name, value in params.items():
+        try:  # the cell must run: only values that read back as Python literals
+            ok = ast.literal_eval(repr(value)) == value
+        except (ValueError, SyntaxError):
+            ok = False
+        if not ok:
+            raise ValueError(
+                f"parameter {name}={value!r} is not a plain Python literal (number, string, "
+                "bool, None, or a list/tuple/dict of those)"
+            )
     index = parameters_cell_index(nb)
     source = "# Parameters injected by the course runner\n" + "".join(
         f"{k} = {v!r}\n" for k, v in params.items()
@@ -142,7 +153,16 @@ def run_course(
     for path in notebooks:
         if echo:
             print(f"running {path.name} ({'quick' if quick else 'full'} mode) ...", flush=True)
-        run = run_lesson(path, out_dir, quick=quick, params=params)
+        start = time.perf_counter()
+        try:
+            run = run_lesson(path, out_dir, quick=quick, params=params)
+        except Exception as exc:  # unreadable notebook, kernel that never starts, ...
+            run = LessonRun(
+                path.stem,
+                "failed",
+                time.perf_counter() - start,
+                error=f"{type(exc).__name__}: {exc}",
+            )
         if echo:
             mark = "ok " if run.status == "passed" else "FAILED"
             print(f"  {mark} {run.seconds:6.1f} s  {run.error}", flush=True)

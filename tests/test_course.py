@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -284,3 +285,22 @@ def test_clean_notebook_collapses_and_marks_solution_cells(notebook_writer, tmp_
         assert meta["nbgrader"]["grade_id"] == f"04_ddp-solution-{number}"
     assert "nbgrader" not in cells[2].metadata and "jupyter" not in cells[2].metadata
     assert clean_notebook(path) is False
+
+
+def test_injected_values_must_be_python_literals() -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.cells.append(nbformat.v4.new_code_cell("X = 1", metadata={"tags": ["parameters"]}))
+    with pytest.raises(ValueError, match="plain Python literal"):
+        inject_parameters(nb, {"X": float("nan")})
+    with pytest.raises(ValueError, match="plain Python literal"):
+        inject_parameters(nb, {"X": Path("data")})
+    inject_parameters(nb, {"X": [1, "a", None]})
+    assert "X = [1, 'a', None]" in nb.cells[1].source
+
+
+def test_a_lesson_that_cannot_start_is_reported_and_the_course_goes_on(tmp_path) -> None:
+    broken = tmp_path / "00_broken.ipynb"
+    broken.write_text("this is not a notebook")
+    runs = run_course([broken], tmp_path / "out", quick=True, echo=False)
+    assert runs[0].status == "failed" and runs[0].error
+    assert (tmp_path / "out" / "report.html").exists()
