@@ -1,20 +1,22 @@
 """Every lesson, executed in a real Jupyter kernel in quick mode, in both editions.
 
-The instructor edition must run top to bottom with every self-check passing; the student
-edition (solutions replaced by stubs) must still run top to bottom, with every self-check
+The instructor edition must run top to bottom with every self-check passing; in the student
+edition (solutions replaced by stubs) the exercises must still run, with every self-check
 failing and saying the exercise is not implemented yet. Committed notebooks must be clean.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import nbformat
 import pytest
 
 from mgpu_helpers.course import run_lesson
+from mgpu_helpers.exercises import MARKER
 from mgpu_helpers.notebooks import find_lessons, notebook_problems
-from mgpu_helpers.student import BEGIN, make_student_edition
+from mgpu_helpers.student import BEGIN, make_student_edition, strip_solutions
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = find_lessons(ROOT / "notebooks")
@@ -37,27 +39,58 @@ def test_committed_notebook_is_clean_and_well_formed(path: Path) -> None:
         assert cell.metadata.get("jupyter", {}).get("source_hidden"), "solutions start collapsed"
 
 
+def with_student_exercises_appended(nb: nbformat.NotebookNode) -> tuple[nbformat.NotebookNode, int]:
+    """The lesson, then its exercise section again as the student edition has it.
+
+    One kernel run then checks both editions: the solutions' self-checks run first and must
+    pass, the stubs' run after them and must fail. Everything before the first solution cell is
+    the same in both editions, so it runs once.
+    """
+    first = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and BEGIN in c.source)
+    combined = copy.deepcopy(nb)
+    tail = copy.deepcopy(nb.cells[first:])
+    for i, cell in enumerate(tail):
+        cell["id"] = f"student-{i}"  # cell ids must stay unique
+        if cell.cell_type == "code" and BEGIN in cell.source:
+            cell.source = strip_solutions(cell.source)
+    combined.cells.extend(tail)
+    return combined, len(nb.cells)
+
+
+def verdicts(cells: list) -> dict[str, tuple[bool, str]]:
+    """Self-check name -> (passed, what it printed), read from executed cells."""
+    found = {}
+    for cell in cells:
+        text = "".join(out.get("text", "") for out in cell.get("outputs", []))
+        for line in text.splitlines():
+            if line.startswith(MARKER):
+                verdict, _, name = line[len(MARKER) :].strip().partition(" ")
+                found[name] = (verdict == "PASS", text)
+    return found
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", LESSONS, ids=IDS)
-def test_lesson_runs_in_quick_mode_and_solutions_pass(path: Path, tmp_path: Path) -> None:
-    run = run_lesson(path, tmp_path, quick=True)
+def test_lesson_runs_in_quick_mode_solutions_pass_and_stubs_fail(
+    path: Path, tmp_path: Path
+) -> None:
+    combined, split = with_student_exercises_appended(nbformat.read(path, as_version=4))
+    source = tmp_path / path.name
+    nbformat.write(combined, source)
+    run = run_lesson(source, tmp_path / "out", quick=True)
     assert run.status == "passed", f"{path.name} failed: {run.error}"
-    assert len(run.checks) >= 2, f"{path.name} ran {len(run.checks)} self-checks, wants >= 2"
-    failed = [name for name, ok in run.checks.items() if not ok]
+    executed = nbformat.read(run.output_path, as_version=4).cells
+    solutions, stubs = verdicts(executed[:split]), verdicts(executed[split:])
+    assert len(solutions) >= 2, f"{path.name} ran {len(solutions)} self-checks, wants >= 2"
+    failed = [name for name, (ok, _) in solutions.items() if not ok]
     assert not failed, f"solutions fail their self-checks: {failed}"
+    assert stubs.keys() == solutions.keys(), "every exercise needs its check in both editions"
+    for name, (ok, printed) in stubs.items():
+        assert not ok, f"the stub passes '{name}': that check cannot fail"
+        assert f"FAIL  {name}: not implemented yet" in printed, f"'{name}' fails unclearly"
 
 
-@pytest.mark.notebook
-@pytest.mark.parametrize("path", LESSONS, ids=IDS)
-def test_student_edition_runs_and_every_stub_fails_clearly(path: Path, tmp_path: Path) -> None:
-    (student,) = make_student_edition([path], tmp_path / "student")
-    assert BEGIN not in student.read_text()
-    run = run_lesson(student, tmp_path / "out", quick=True)
-    assert run.status == "passed", f"student edition of {path.name} crashed: {run.error}"
-    assert run.checks, "no self-check ran in the student edition"
-    passed = [name for name, ok in run.checks.items() if ok]
-    assert not passed, f"stubs pass their self-checks (the checks cannot fail?): {passed}"
-    nb = nbformat.read(run.output_path, as_version=4)
-    printed = "".join(out.get("text", "") for cell in nb.cells for out in cell.get("outputs", []))
-    for name in run.checks:
-        assert f"FAIL  {name}: not implemented yet" in printed, f"{name} fails for another reason"
+def test_student_edition_has_no_solutions_left(tmp_path: Path) -> None:
+    for student in make_student_edition(LESSONS, tmp_path):
+        assert BEGIN not in student.read_text()
+        assert "raise NotImplementedError()" in student.read_text()
