@@ -1,0 +1,54 @@
+"""benchmarks/pipeline.py runs from the source tree and writes its table and JSON (no timings
+are asserted: speed belongs in the benchmark, not in the tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "pipeline.py"
+
+
+def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+        check=False,
+    )
+
+
+def test_quick_run_prints_ratios_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "pipeline.json"
+    result = run("--quick", "--devices", "cpu,cpu", "--micro", "1", "2", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "S*M/(M+S-1)" in text  # the formula behind the ideal column is stated
+    assert "a pipelined step (M=2) equals the naive step" in text
+    for variant in ("unsplit", "naive", "pipe M=1", "pipe M=2"):
+        assert variant in text
+    data = json.loads(out.read_text())
+    assert data["devices"] == ["cpu", "cpu"]
+    assert set(data["ratio_to_unsplit"]) == {"unsplit", "naive", "pipe M=1", "pipe M=2"}
+    assert data["ratio_to_unsplit"]["unsplit"] == 1.0
+    assert data["ideal_ratio_to_unsplit"]["pipe M=2"] in (1.0, 4 / 3)  # 4/3 with 2+ cores
+    assert data["bubble_fraction"] == {"pipe M=1": 0.5, "pipe M=2": 1 / 3}
+    assert all(len(t) == data["repeats"] for t in data["seconds_per_step"].values())
+
+
+def test_three_stages_and_bad_arguments() -> None:
+    result = run("--quick", "--devices", "cpu,cpu,cpu", "--micro", "3")
+    assert result.returncode == 0, result.stderr
+    assert "S=3 stages" in result.stdout and "pipe M=3" in result.stdout
+    bad = run("--quick", "--devices", "cpu")
+    assert bad.returncode == 2 and "two or more devices" in bad.stderr
+    bad = run("--quick", "--micro", "0")
+    assert bad.returncode == 2 and "--micro" in bad.stderr
