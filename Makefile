@@ -32,6 +32,8 @@ doctor: $(STAMP)  ## environment report
 
 benchmark: $(STAMP)  ## the speed targets, measured side by side
 	$(BIN)/python benchmarks/loop_overhead.py
+	$(BIN)/python benchmarks/launch_overhead.py
+	$(BIN)/python benchmarks/pipeline.py
 
 clean:
 	rm -rf build .pytest_cache
