@@ -131,8 +131,12 @@ def memory_by_device(
     Computed from tensor sizes, so it works on the CPU too: gradients are as large as the
     parameters, ``optimizer_slots`` is the number of state tensors per parameter (1 for SGD
     with momentum, 2 for Adam), and activations are the outputs of every leaf module for
-    ``sample`` (what backward keeps), counted on the device they were made on.
+    ``sample`` (what backward keeps), counted on the device they were made on. A
+    :class:`SplitModel` gets one row per stage ("stage 0 (cuda:0)"), so stages that share a
+    device (virtual devices) are still told apart.
     """
+    if isinstance(model, SplitModel):
+        return _memory_by_stage(model, optimizer_slots, sample)
     report: dict[str, dict[str, int]] = {}
 
     def row(device: torch.device) -> dict[str, int]:
@@ -162,6 +166,24 @@ def memory_by_device(
         finally:
             for h in hooks:
                 h.remove()
+    return report
+
+
+def _memory_by_stage(
+    model: SplitModel, optimizer_slots: int, sample: Tensor | None
+) -> dict[str, dict[str, int]]:
+    report = {}
+    x = sample
+    for i, (stage, device) in enumerate(zip(model.stages, model.devices, strict=True)):
+        x = None if x is None else x.to(device)
+        rows = memory_by_device(stage, optimizer_slots, x).values()
+        report[f"stage {i} ({device})"] = {
+            key: sum(row[key] for row in rows)
+            for key in ("parameters", "gradients", "optimizer", "activations")
+        }
+        if x is not None:
+            with torch.no_grad():
+                x = stage(x)
     return report
 
 

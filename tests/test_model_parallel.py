@@ -193,3 +193,18 @@ def test_split_and_pipeline_on_two_gpus() -> None:
     )
     assert_same_parameters(whole, split)
     assert all(e.end >= e.start >= 0 for e in events)
+
+
+def test_memory_of_a_split_model_is_reported_per_stage_even_on_one_device() -> None:
+    whole = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 5))
+    split = split_sequential(copy.deepcopy(whole), [2], ["cpu", "cpu"])
+    x = torch.randn(4, 10)
+    report = memory_by_device(split, optimizer_slots=1, sample=x)
+    assert list(report) == ["stage 0 (cpu)", "stage 1 (cpu)"]
+    assert report["stage 0 (cpu)"]["parameters"] == (10 * 20 + 20) * 4
+    assert report["stage 1 (cpu)"]["parameters"] == (20 * 5 + 5) * 4
+    assert report["stage 0 (cpu)"]["activations"] == 2 * 4 * 20 * 4
+    assert report["stage 1 (cpu)"]["activations"] == 4 * 5 * 4
+    total = memory_by_device(whole, optimizer_slots=1, sample=x)["cpu"]
+    for key in total:
+        assert sum(r[key] for r in report.values()) == total[key]
