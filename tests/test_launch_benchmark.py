@@ -1,0 +1,71 @@
+"""Smoke test of benchmarks/launch_overhead.py (lesson 04's launcher against bare mp.spawn).
+
+It runs the script as a learner would, from the source tree, in quick mode on CPU processes, and
+checks that it finishes, reports both variants and the ratio, writes its JSON and leaves no
+process behind. No timing is asserted: speed belongs to the benchmark, not to the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "launch_overhead.py"
+
+
+def processes_tagged(tag: str) -> list[psutil.Process]:
+    """Processes still running whose environment carries ``MGPU_BENCH_TAG=tag``."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("MGPU_BENCH_TAG") == tag and p.is_running():
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def test_launch_overhead_runs_in_quick_mode(tmp_path: Path) -> None:
+    out = tmp_path / "launch.json"
+    tag = uuid.uuid4().hex  # inherited by every process the script starts
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MGPU_BENCH_TAG": tag}
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--out", str(out)],
+        cwd=tmp_path,  # not the repository root: PYTHONPATH alone must find the package
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "ratio launcher/bare" in run.stdout
+    assert "target <= 1.15" in run.stdout
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "launch_overhead"
+    assert result["world_size"] == 2 and result["backend"] == "gloo"
+    for variant in ("launcher", "bare"):
+        assert len(result["seconds"][variant]) == 1
+        assert result["median_seconds"][variant]["first_step"] > 0
+    assert result["ratio_first_step"] > 0
+    assert processes_tagged(tag) == []
+
+
+def test_launch_overhead_refuses_what_the_hardware_cannot_do(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--device", "cuda"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert "no GPU is visible" in run.stderr
