@@ -1,50 +1,68 @@
 """Helpers for the hands-on multi-GPU PyTorch course.
 
 Each module is one idea a lesson teaches: ``devices`` (00, 01), ``config`` (every lesson),
-``data``, ``models`` and ``train`` (02), ``timing`` (01), ``plots``, ``exercises`` and
-``record`` (every lesson), ``course`` and ``student`` (running and handing out the course).
+``data``, ``models`` and ``train`` (02), ``timing`` (01), ``data_parallel`` (03), ``launch``
+and ``ddp`` (04), ``model_parallel`` (05), ``plots``, ``exercises`` and ``record`` (every
+lesson), ``course`` and ``student`` (running and handing out the course).
+
+The names below are imported on first use, not when the package is imported: every process the
+launcher starts imports this package, and should not pay for matplotlib or scikit-learn
+unless its worker uses them.
 """
 
-from .config import DATASETS, LessonConfig, quick_from_env
-from .data import DataInfo, build_datasets, loader_settings, make_loader
-from .devices import Plan, course_plan, describe_hardware, gpu_count
-from .exercises import check
-from .models import build_model, count_parameters, mlp, resnet_cifar, small_cnn
-from .plots import plot_history, plot_throughput
-from .record import record
-from .timing import Timing, measure, synchronize
-from .train import History, evaluate, fit, pick_device, seed_everything, train_epoch
+from __future__ import annotations
 
-__all__ = [
-    "DATASETS",
-    "DataInfo",
-    "History",
-    "LessonConfig",
-    "Plan",
-    "Timing",
-    "build_datasets",
-    "build_model",
-    "check",
-    "count_parameters",
-    "course_plan",
-    "describe_hardware",
-    "evaluate",
-    "fit",
-    "gpu_count",
-    "loader_settings",
-    "make_loader",
-    "measure",
-    "mlp",
-    "pick_device",
-    "plot_history",
-    "plot_throughput",
-    "quick_from_env",
-    "record",
-    "resnet_cifar",
-    "seed_everything",
-    "small_cnn",
-    "synchronize",
-    "train_epoch",
-]
+import importlib
+from typing import Any
+
+# public name -> the module that defines it
+_WHERE = {
+    "DATASETS": "config",
+    "LessonConfig": "config",
+    "quick_from_env": "config",
+    "DataInfo": "data",
+    "build_datasets": "data",
+    "loader_settings": "data",
+    "make_loader": "data",
+    "Plan": "devices",
+    "course_plan": "devices",
+    "describe_hardware": "devices",
+    "gpu_count": "devices",
+    "check": "exercises",
+    "DistEnv": "launch",
+    "WorkerError": "launch",
+    "launch": "launch",
+    "build_model": "models",
+    "count_parameters": "models",
+    "mlp": "models",
+    "resnet_cifar": "models",
+    "small_cnn": "models",
+    "plot_history": "plots",
+    "plot_throughput": "plots",
+    "record": "record",
+    "Timing": "timing",
+    "measure": "timing",
+    "synchronize": "timing",
+    "History": "train",
+    "evaluate": "train",
+    "fit": "train",
+    "pick_device": "train",
+    "seed_everything": "train",
+    "train_epoch": "train",
+}
+
+__all__ = sorted(_WHERE)
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'mgpu_helpers' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])

@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
+import shutil
 import sys
 import tempfile
 import time
@@ -93,8 +94,9 @@ class LaunchPlan:
         where = "CPU processes" if self.device_type == "cpu" else "GPUs"
         if self.device_type == "cuda" and self.share_gpus:
             where = "ranks sharing GPUs"
+        ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
         return (
-            f"launching {self.world_size} ranks as {where}, backend {self.backend}, "
+            f"launching {ranks} as {where}, backend {self.backend}, "
             f"{self.threads_per_rank} CPU thread(s) per rank"
         )
 
@@ -208,7 +210,9 @@ def _entry(rank: int, environ: dict[str, str], payload: bytes, channel: Any, spe
         channel.put(("result", rank, _dumps(result)))
     except BaseException:
         failed = True
-        channel.put(("error", rank, traceback.format_exc()))
+        details = traceback.format_exc()
+        log.write(details)  # the log keeps every rank's traceback, the caller gets the first
+        channel.put(("error", rank, details))
     finally:
         if dist.is_available() and dist.is_initialized():
             try:
@@ -224,7 +228,12 @@ def _entry(rank: int, environ: dict[str, str], payload: bytes, channel: Any, spe
 
 
 class _Printer:
-    """Shows the children's output in the parent: rank 0 unchanged, others line by line."""
+    """Shows the children's output in the parent, a whole line at a time.
+
+    Rank 0's lines appear as they are; a progress-bar redraw (a write that starts with a
+    carriage return) passes straight through so the bar animates in place. Other ranks' lines
+    get a ``[rank k]`` prefix, and their progress bars become lines.
+    """
 
     def __init__(self, echo: bool) -> None:
         self.echo = echo
@@ -234,24 +243,37 @@ class _Printer:
         if not self.echo:
             return
         target = sys.stdout if stream == "stdout" else sys.stderr
-        if rank == 0:  # carriage returns pass through, so its progress bar redraws in place
+        key = (rank, stream)
+        if rank == 0 and text.startswith("\r") and not self.partial.get(key):
             target.write(text)
             target.flush()
             return
-        buffered = self.partial.get((rank, stream), "") + text
-        *lines, rest = buffered.replace("\r", "\n").split("\n")
-        self.partial[(rank, stream)] = rest
+        buffered = self.partial.get(key, "") + text
+        if rank != 0:
+            buffered = buffered.replace("\r", "\n")
+        *lines, self.partial[key] = buffered.split("\n")
+        prefix = "" if rank == 0 else f"[rank {rank}] "
         for line in lines:
-            if line.strip():
-                target.write(f"[rank {rank}] {line}\n")
+            if rank == 0 or line.strip():
+                target.write(f"{prefix}{line}\n")
         target.flush()
 
     def finish(self) -> None:
         for (rank, stream), rest in self.partial.items():
             if rest.strip() and self.echo:
                 target = sys.stdout if stream == "stdout" else sys.stderr
-                target.write(f"[rank {rank}] {rest}\n")
+                target.write(f"{'' if rank == 0 else f'[rank {rank}] '}{rest}\n")
         self.partial.clear()
+
+
+def _new_log_dir(keep: int = 20) -> Path:
+    """A fresh folder for this run's logs, under one root that keeps the latest ``keep`` runs."""
+    root = Path(tempfile.gettempdir()) / "mgpu-runs"
+    root.mkdir(exist_ok=True)
+    runs = sorted(root.glob("run-*"), key=lambda p: p.stat().st_mtime)
+    for old in runs[: max(0, len(runs) - keep + 1)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix="run-", dir=root))
 
 
 def launch(
@@ -272,12 +294,15 @@ def launch(
     ``device``: "auto" (one GPU per rank when there are enough, else CPU processes), "cpu" or
     "cuda". ``share_gpus=True`` allows more ranks than GPUs (over gloo). ``timeout``: seconds a
     collective may wait before it fails. With ``init_process_group=False`` the worker joins
-    the group itself (``dist.init_process_group(env.backend)``, lesson 04).
+    the group itself (``dist.init_process_group(env.backend)``, lesson 04) and sets its own
+    timeout there (``timeout=datetime.timedelta(seconds=...)``; PyTorch's default is long).
+    Logs go to ``log_dir`` (default: a fresh folder under the temp directory's ``mgpu-runs``,
+    which keeps the latest 20 runs).
     """
     plan = plan_launch(world_size, device, share_gpus=share_gpus, backend=backend)
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-    logs = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="mgpu-run-"))
+    logs = Path(log_dir) if log_dir is not None else _new_log_dir()
     logs.mkdir(parents=True, exist_ok=True)
     if echo:
         print(f"{plan.describe()}; logs in {logs}", flush=True)

@@ -225,3 +225,25 @@ def test_ranks_sharing_one_gpu_over_gloo() -> None:
     infos = launch(identity, 2, device="cuda", share_gpus=True, echo=False)
     assert {i["backend"] for i in infos} == {"gloo"}
     assert all(i["device"].startswith("cuda:") for i in infos)
+
+
+def test_printer_keeps_lines_whole_and_lets_progress_bars_redraw(capsys) -> None:
+    from mgpu_helpers.launch import _Printer
+
+    printer = _Printer(echo=True)
+    printer.show(0, "stdout", "epoch 0 done")
+    printer.show(1, "stdout", "epoch 0 done on one\n")
+    printer.show(0, "stdout", "\n")
+    printer.show(0, "stderr", "\r 50%|#####     |")
+    printer.show(1, "stderr", "\r 50%|#####     |")
+    printer.show(1, "stdout", "unfinished")
+    printer.finish()
+    captured = capsys.readouterr()
+    assert captured.out == "[rank 1] epoch 0 done on one\nepoch 0 done\n[rank 1] unfinished\n"
+    assert captured.err == "\r 50%|#####     |[rank 1]  50%|#####     |\n"
+
+
+def test_a_failing_rank_leaves_its_traceback_in_its_log(tmp_path) -> None:
+    with pytest.raises(WorkerError):
+        launch(fails_on_rank_one, 2, device="cpu", log_dir=tmp_path, echo=False)
+    assert "deliberate failure on rank 1" in (tmp_path / "rank1.log").read_text()
