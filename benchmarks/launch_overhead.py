@@ -27,7 +27,6 @@ lesson. The exit code is 0 whether or not the target is met; the last line says 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import socket
@@ -157,11 +156,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--world-size", type=int, default=2, help="ranks per launch (default 2)")
-    parser.add_argument("--share-gpus", action="store_true",
-                        help="allow more ranks than GPUs (chosen anyway when GPUs are too few)")
+    parser.add_argument(
+        "--share-gpus",
+        action="store_true",
+        help="allow more ranks than GPUs (chosen anyway when GPUs are too few)",
+    )
     parser.add_argument("--repeats", type=int, default=7, help="timed runs of each variant")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test: one run each, no warm-up; numbers mean little")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: one run each, no warm-up; numbers mean little",
+    )
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.world_size < 1:
@@ -175,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from mgpu_helpers.devices import gpu_count
     from mgpu_helpers.launch import plan_launch
+    from mgpu_helpers.util import write_json
 
     gpus = gpu_count()
     share = args.share_gpus or (args.device != "cpu" and 1 <= gpus < args.world_size)
@@ -186,8 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"launch overhead: {plan.describe()}; one DDP step of a small CNN per rank")
     if share and not args.share_gpus:
         print(f"note: {gpus} GPU(s) for {args.world_size} ranks, so the ranks share them")
-    print(f"torch {torch.__version__}, python {platform.python_version()}, "
-          f"{os.cpu_count()} CPU cores, {gpus} GPU(s), {args.repeats} repeat(s)")
+    print(
+        f"torch {torch.__version__}, python {platform.python_version()}, "
+        f"{os.cpu_count()} CPU cores, {gpus} GPU(s), {args.repeats} repeat(s)"
+    )
 
     times: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="mgpu-launch-bench-") as tmp:
@@ -200,8 +208,11 @@ def main(argv: list[str] | None = None) -> int:
             for variant in order:
                 t = RUNNERS[variant](args.world_size, plan, work_dir)
                 times[variant].append(t)
-                print(f"  run {r + 1}, {variant:<8}: first step after {t['first_step']:6.2f} s, "
-                      f"returned after {t['returned']:6.2f} s", flush=True)
+                print(
+                    f"  run {r + 1}, {variant:<8}: first step after {t['first_step']:6.2f} s, "
+                    f"returned after {t['returned']:6.2f} s",
+                    flush=True,
+                )
 
     med = {
         v: {k: statistics.median(t[k] for t in runs) for k in ("first_step", "returned")}
@@ -210,15 +221,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'variant':<9} {'first step s':>13} {'min':>7} {'max':>7} {'returned s':>11}")
     for v in VARIANTS:
         firsts = [t["first_step"] for t in times[v]]
-        print(f"{v:<9} {med[v]['first_step']:13.2f} {min(firsts):7.2f} {max(firsts):7.2f} "
-              f"{med[v]['returned']:11.2f}")
+        print(
+            f"{v:<9} {med[v]['first_step']:13.2f} {min(firsts):7.2f} {max(firsts):7.2f} "
+            f"{med[v]['returned']:11.2f}"
+        )
     ratio = med["launcher"]["first_step"] / med["bare"]["first_step"]
     ratio_returned = med["launcher"]["returned"] / med["bare"]["returned"]
     best = {v: min(t["first_step"] for t in runs) for v, runs in times.items()}
     ratio_best = best["launcher"] / best["bare"]
     met = ratio <= TARGET
-    print(f"\nratio launcher/bare = {ratio:.3f} to the first finished step, "
-          f"{ratio_returned:.3f} until the call returned")
+    print(
+        f"\nratio launcher/bare = {ratio:.3f} to the first finished step, "
+        f"{ratio_returned:.3f} until the call returned"
+    )
     print(f"(fastest runs only: {ratio_best:.3f}; less affected by other work on a busy machine)")
     print(f"target <= {TARGET}: {'met' if met else 'NOT met'}")
 
@@ -246,10 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             "target": TARGET,
             "target_met": met,
         }
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"results written to {out}")
+        print(f"results written to {write_json(args.out, result)}")
     return 0
 
 

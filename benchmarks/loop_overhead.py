@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import statistics
@@ -51,6 +50,7 @@ from mgpu_helpers.data import build_datasets, make_loader  # noqa: E402
 from mgpu_helpers.models import build_model  # noqa: E402
 from mgpu_helpers.timing import synchronize  # noqa: E402
 from mgpu_helpers.train import fit, pick_device, seed_everything  # noqa: E402
+from mgpu_helpers.util import write_json  # noqa: E402
 
 TARGET = 1.03  # fit may take at most 3% longer than the minimal loop
 VARIANTS = ("minimal", "fit+bar", "fit")
@@ -236,10 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             "noisy": noisy,
             "same_final_weights": not differ,
         }
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"results written to {out}")
+        print(f"results written to {write_json(args.out, result)}")
     return 0
 
 

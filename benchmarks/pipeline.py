@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
@@ -58,6 +57,7 @@ from mgpu_helpers.model_parallel import (  # noqa: E402
 )
 from mgpu_helpers.models import count_parameters, mlp  # noqa: E402
 from mgpu_helpers.timing import synchronize  # noqa: E402
+from mgpu_helpers.util import write_json  # noqa: E402
 
 FORMULA = "ideal pipelined/naive = S*M/(M+S-1) (S equal stages on S separate devices)"
 
@@ -328,10 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             "pipeline_check_max_difference": diff,
             "cpu_two_thread_speedup": overlap,
         }
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"results written to {out}")
+        print(f"results written to {write_json(args.out, result)}")
     return 0
 
 

@@ -23,7 +23,7 @@ import nbformat
 from .exercises import MARKER
 from .notebooks import parameters_cell_index
 from .record import RESULT_MIME
-from .util import temporary_environ
+from .util import temporary_environ, write_json
 
 __all__ = [
     "LessonRun",
@@ -186,7 +186,7 @@ def write_report(runs: list[LessonRun], out_dir: str | Path, *, quick: bool) -> 
         "plan": plan.banner(),
         "lessons": [asdict(r) for r in runs],
     }
-    (out_dir / "report.json").write_text(json.dumps(data, indent=2, default=str))
+    write_json(out_dir / "report.json", data)
     path = out_dir / "report.html"
     path.write_text(_html(data, runs))
     return path

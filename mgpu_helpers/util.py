@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 
-__all__ = ["temporary_environ"]
+__all__ = ["temporary_environ", "write_json"]
 
 
 @contextmanager
@@ -22,3 +24,11 @@ def temporary_environ(changes: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def write_json(path: str | Path, data: object) -> Path:
+    """Write ``data`` as indented JSON, creating the folder (benchmark results, reports)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    return path
