@@ -10,7 +10,6 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 
@@ -106,6 +105,8 @@ NotebookCell = tuple[str, str]  # ("params" | "code" | "markdown", source)
 
 def write_notebook(path: Path, cells: list[NotebookCell]) -> Path:
     """Write a small notebook: ("params", src) is a code cell tagged ``parameters``."""
+    import nbformat  # here, not at the top: the GPU check runs without the Jupyter stack
+
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {
         "name": "python3",
