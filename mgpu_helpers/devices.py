@@ -135,16 +135,28 @@ def _probe_cuda() -> dict:
     return {"gpus": gpus, "peer": peer, "nccl": nccl}
 
 
-def _probe_cuda_elsewhere(timeout: float = 120.0) -> dict:
-    """Run `_probe_cuda` in a subprocess so this process stays free of a CUDA context."""
-    code = "import json, mgpu_helpers.devices as d; print(json.dumps(d._probe_cuda()))"
+def _json_from_child(code: str, *args: str, timeout: float = 120.0) -> object:
+    """Run ``code`` in a fresh Python, which prints JSON last; this process keeps no CUDA."""
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"CUDA probe failed: {last}")
+        raise RuntimeError(f"the child process exited with code {out.returncode}: {last}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _probe_cuda_elsewhere(timeout: float = 120.0) -> dict:
+    """Run `_probe_cuda` in a subprocess so this process stays free of a CUDA context."""
+    code = "import json, mgpu_helpers.devices as d; print(json.dumps(d._probe_cuda()))"
+    try:
+        return _json_from_child(code, timeout=timeout)  # type: ignore[return-value]
+    except RuntimeError as exc:
+        raise RuntimeError(f"CUDA probe failed: {exc}") from None
 
 
 def describe_hardware() -> Hardware:
@@ -229,7 +241,7 @@ def nvidia_smi(*args: str, timeout: float = 30.0) -> str | None:
 
 
 def hardware_as_dict(hw: Hardware) -> dict:
-    """The report as plain JSON-ready data (used by `make course` and `mgpu doctor --json`)."""
+    """The report as plain JSON-ready data (the hardware section of the `make course` report)."""
     return asdict(hw)
 
 
@@ -298,17 +310,7 @@ def sanity_check_devices(
         "print(json.dumps([dataclasses.asdict(d.tensor_sanity(x, size)) for x in sys.argv[2:]]))"
     )
     try:
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(size), *distinct],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-        if out.returncode != 0:
-            last = (out.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"the check process exited with code {out.returncode}: {last}")
-        rows = json.loads(out.stdout.strip().splitlines()[-1])
+        rows = _json_from_child(code, str(size), *distinct, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired, RuntimeError, ValueError, IndexError) as exc:
         first = (str(exc).strip().splitlines() or [""])[0]
         return tuple(DeviceCheck(d, False, None, None, first) for d in distinct)
