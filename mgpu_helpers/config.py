@@ -68,6 +68,9 @@ class LessonConfig:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        # What was asked for before quick mode capped it, so replace(quick=False) can undo it.
+        requested = {name: getattr(self, name) for name in QUICK_LIMITS}
+        object.__setattr__(self, "_requested", requested)
         if self.quick:  # apply the caps once, so every reader sees the sizes actually used
             object.__setattr__(self, "epochs", min(self.epochs, QUICK_LIMITS["epochs"]))
             for name in ("train_samples", "test_samples"):
@@ -76,8 +79,13 @@ class LessonConfig:
                 object.__setattr__(self, name, cap if value is None else min(value, cap))
 
     def replace(self, **changes: object) -> LessonConfig:
-        """A copy with some fields changed, validated again."""
-        return replace(self, **changes)
+        """A copy with some fields changed, validated again.
+
+        Sizes that quick mode capped start from what was asked for, so ``replace(quick=False)``
+        gives the full run back.
+        """
+        base = {k: v for k, v in getattr(self, "_requested", {}).items() if k not in changes}
+        return replace(self, **base, **changes)
 
     def describe(self) -> str:
         """One readable line per field, with a note when quick mode shrank the run."""

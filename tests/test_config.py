@@ -166,3 +166,14 @@ def test_describe_lists_every_field_and_the_quick_note(no_quick):
         assert f.name in text
     assert "MGPU_QUICK=0" in text
     assert "quick mode" not in LessonConfig(quick=False).describe()
+
+
+def test_leaving_quick_mode_restores_the_requested_sizes(no_quick):
+    quick = LessonConfig(epochs=20, train_samples=5000, quick=True)
+    assert (quick.epochs, quick.train_samples) == (
+        QUICK_LIMITS["epochs"],
+        QUICK_LIMITS["train_samples"],
+    )
+    full = quick.replace(quick=False)
+    assert (full.epochs, full.train_samples, full.test_samples) == (20, 5000, None)
+    assert quick.replace(quick=False, epochs=7).epochs == 7
