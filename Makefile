@@ -4,6 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 QUICK_FLAG := $(if $(filter 1 true yes,$(QUICK)),--quick,)
+# Cloud images and containers often log in as root, which JupyterLab refuses without this flag.
+ROOT_FLAG  := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: lab course test student doctor lint benchmark clean
 
@@ -15,7 +17,7 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	touch $(STAMP)
 
 lab: $(STAMP)  ## JupyterLab on the lessons
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab $(ROOT_FLAG) notebooks/
 
 course: $(STAMP)  ## run every lesson headless (QUICK=1 for quick mode); report in build/course/
 	$(BIN)/mgpu course $(QUICK_FLAG)
