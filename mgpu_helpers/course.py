@@ -117,9 +117,12 @@ def run_lesson(
         "MGPU_QUICK": "1" if quick else "0",
         "MPLBACKEND": "module://matplotlib_inline.backend_inline",
     }
+    # What the kernel and its child processes print outside the notebook (their own warnings,
+    # the tracebacks of lesson 04's deliberate mp.spawn failure) goes to a log, not the console.
+    kernel_log = out_dir / f"{path.stem}.kernel.log"
     try:
-        with temporary_environ(env):
-            client.execute()
+        with temporary_environ(env), open(kernel_log, "w") as log:
+            client.execute(stdout=log, stderr=log)
     except CellExecutionError as exc:
         run.status = "failed"
         run.error = _short_error(exc)
@@ -215,7 +218,8 @@ def _html(data: dict, runs: list[LessonRun]) -> str:
         )
         link = e(Path(r.output_path).name)
         rows.append(
-            f'<tr><td><a href="{link}">{e(r.name)}</a></td>{status}'
+            f'<tr><td><a href="{link}">{e(r.name)}</a><br>'
+            f'<small><a href="{e(r.name)}.kernel.log">kernel log</a></small></td>{status}'
             f"<td>{r.seconds:.1f} s</td><td>{results or '-'}</td><td>{checks}</td></tr>"
         )
     failed = sum(r.status != "passed" for r in runs)
