@@ -334,6 +334,7 @@ def launch(
         "MASTER_PORT": str(store.port),
         "WORLD_SIZE": str(world_size),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",  # older torch releases read it in agent-store mode
         "OMP_NUM_THREADS": str(plan.threads_per_rank),  # for libraries the worker starts
     }
     try:
