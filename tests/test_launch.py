@@ -247,3 +247,50 @@ def test_a_failing_rank_leaves_its_traceback_in_its_log(tmp_path) -> None:
     with pytest.raises(WorkerError):
         launch(fails_on_rank_one, 2, device="cpu", log_dir=tmp_path, echo=False)
     assert "deliberate failure on rank 1" in (tmp_path / "rank1.log").read_text()
+
+
+INTERRUPTED_SCRIPT = """
+import os, sys, time
+from mgpu_helpers.launch import launch
+
+def worker(env, folder):
+    with open(os.path.join(folder, f"pid{env.rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+
+if __name__ == "__main__":
+    try:
+        launch(worker, 2, sys.argv[1], device="cpu", echo=False)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+"""
+
+
+def test_interrupting_the_caller_stops_every_rank(tmp_path) -> None:
+    """What happens when a learner interrupts the kernel: SIGINT reaches the launching process."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(INTERRUPTED_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not all((tmp_path / f"pid{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline, "the ranks never started"
+            assert proc.poll() is None, "the launching process died early"
+            time.sleep(0.2)
+        time.sleep(0.5)
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "interrupted" in out
+    for pid in pids:
+        alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        assert not alive, f"rank process {pid} survived the interrupt"
