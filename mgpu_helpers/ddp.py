@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from .config import LessonConfig
 from .data import build_datasets, loader_settings
+from .devices import full_float32
 from .launch import DistEnv
 from .models import build_model, small_cnn
 from .train import EpochResult, History, evaluate, seed_everything, train_epoch
@@ -193,8 +194,11 @@ def ddp_step_worker(env: DistEnv, steps: int, per_rank_batch: int, seed: int = 0
     """``steps`` DDP steps, each rank on its own slice of a fixed global batch.
 
     Returns the final parameters (on the CPU) and this rank's gradients after the first
-    backward, for comparison with :func:`reference_steps`.
+    backward, for comparison with :func:`reference_steps`. cuDNN's TF32 convolutions (on by
+    default on GPUs) are switched off in this process: they round the inputs to 10 mantissa
+    bits, which alone would put a GPU run far outside float32 agreement with the CPU reference.
     """
+    full_float32()  # this rank's process only; it ends with the run
     torch.manual_seed(seed)
     model = wrap_ddp(small_cnn(), env)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

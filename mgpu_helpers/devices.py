@@ -28,6 +28,7 @@ __all__ = [
     "Hardware",
     "Plan",
     "available_backends",
+    "full_float32",
     "course_plan",
     "describe_hardware",
     "gpu_count",
@@ -315,3 +316,15 @@ def sanity_check_devices(
         first = (str(exc).strip().splitlines() or [""])[0]
         return tuple(DeviceCheck(d, False, None, None, first) for d in distinct)
     return tuple(DeviceCheck(**row) for row in rows)
+
+
+def full_float32() -> None:
+    """Switch off TF32 in this process, for GPU results compared with the CPU (lessons 03-05).
+
+    On recent GPUs cuDNN runs float32 convolutions in TF32 by default (10-bit mantissa inputs),
+    which is fine for training but too coarse for checks against a float32 CPU reference.
+    Calling this from a worker, rather than setting the flag in the worker's own code, also keeps
+    the worker picklable by value (``torch.backends.cudnn`` itself cannot be pickled).
+    """
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False

@@ -43,13 +43,21 @@ class SplitModel(nn.Module):
         super().__init__()
         if len(stages) != len(devices) or not stages:
             raise ValueError(f"need one device per stage, got {len(stages)} and {len(devices)}")
-        self.devices = [torch.device(d) for d in devices]
+        self.devices = [_with_index(torch.device(d)) for d in devices]
         self.stages = nn.ModuleList(s.to(d) for s, d in zip(stages, self.devices, strict=True))
 
     def forward(self, x: Tensor) -> Tensor:
         for stage, device in zip(self.stages, self.devices, strict=True):
             x = stage(x.to(device))  # the activation crosses to the next device here
         return x
+
+
+def _with_index(device: torch.device) -> torch.device:
+    """``cuda`` as the GPU it means here (the current one): ``pipeline_step``'s stage threads
+    start on GPU 0 whatever this thread set, and ``torch.cuda.set_device`` needs an index."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def split_sequential(

@@ -16,7 +16,6 @@ import torch
 
 import mgpu_helpers.devices as devices
 from mgpu_helpers import cli
-from mgpu_helpers.course import LessonRun
 from mgpu_helpers.devices import (
     Plan,
     available_backends,
@@ -353,7 +352,7 @@ def fake_course(monkeypatch):
     def run_course(notebooks, out_dir, *, quick, params=None, echo=True):
         calls.append({"names": [p.stem for p in notebooks], "quick": quick, "params": params})
         status = lambda p: "failed" if p.stem == "04_ddp" else "passed"  # noqa: E731
-        return [LessonRun(p.stem, status(p), 0.1) for p in notebooks]
+        return [course.LessonRun(p.stem, status(p), 0.1) for p in notebooks]
 
     monkeypatch.setattr(course, "run_course", run_course)
     return calls

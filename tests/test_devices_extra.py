@@ -76,3 +76,19 @@ def test_sanity_check_devices_on_every_gpu_in_a_child_process() -> None:
     results = sanity_check_devices(devices, size=64, in_subprocess=True)
     assert [r.device for r in results] == devices
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+
+
+def test_full_float32_switches_tf32_off() -> None:
+    import torch
+
+    from mgpu_helpers.devices import full_float32
+
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    before = (cudnn.allow_tf32, matmul.allow_tf32)
+    try:
+        cudnn.allow_tf32, matmul.allow_tf32 = True, True
+        full_float32()
+        assert cudnn.allow_tf32 is False
+        assert matmul.allow_tf32 is False
+    finally:
+        cudnn.allow_tf32, matmul.allow_tf32 = before
