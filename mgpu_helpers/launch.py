@@ -18,6 +18,7 @@ traceback. Collectives that wait longer than ``timeout`` seconds fail instead of
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -219,6 +220,9 @@ def _entry(rank: int, environ: dict[str, str], payload: bytes, channel: Any, spe
                 dist.destroy_process_group()
             except Exception:  # a broken group must not hide the real error
                 pass
+        # DDP keeps the gloo group alive in a reference cycle; collect it now, while Python is
+        # fully alive, or its worker threads may abort the process at interpreter shutdown.
+        gc.collect()
         sys.stdout.flush()
         log.flush()
     if failed:
