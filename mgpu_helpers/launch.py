@@ -274,8 +274,14 @@ def _new_log_dir(keep: int = 20) -> Path:
     """A fresh folder for this run's logs, under one root that keeps the latest ``keep`` runs."""
     root = Path(tempfile.gettempdir()) / "mgpu-runs"
     root.mkdir(exist_ok=True)
-    runs = sorted(root.glob("run-*"), key=lambda p: p.stat().st_mtime)
-    for old in runs[: max(0, len(runs) - keep + 1)]:
+    runs = []
+    for path in root.glob("run-*"):
+        try:  # another launch (another thread or process) may be pruning at the same time
+            runs.append((path.stat().st_mtime, path))
+        except FileNotFoundError:
+            continue
+    runs.sort()
+    for _, old in runs[: max(0, len(runs) - keep + 1)]:
         shutil.rmtree(old, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix="run-", dir=root))
 

@@ -294,3 +294,25 @@ def test_interrupting_the_caller_stops_every_rank(tmp_path) -> None:
     for pid in pids:
         alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
         assert not alive, f"rank process {pid} survived the interrupt"
+
+
+def test_log_folders_are_pruned_safely_while_others_prune_too(tmp_path, monkeypatch) -> None:
+    from mgpu_helpers import launch as launch_module
+
+    monkeypatch.setattr(launch_module.tempfile, "gettempdir", lambda: str(tmp_path))
+    errors: list[BaseException] = []
+
+    def make_many() -> None:
+        try:
+            for _ in range(40):
+                launch_module._new_log_dir(keep=3)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=make_many) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(list((tmp_path / "mgpu-runs").glob("run-*"))) <= 3 + len(threads)
