@@ -2,7 +2,8 @@
 
 ``record("test_accuracy", 0.97)`` shows the value in the notebook and tags it with a MIME type
 that the course runner collects into its report, so the numbers in the report are the ones the
-learner saw, measured in that run.
+learner saw, measured in that run. The notebook shows floats rounded to what a reader can use
+(``1586`` samples/s, ``0.9688``, ``3.14e-07``); the report keeps the value unrounded.
 """
 
 from __future__ import annotations
@@ -10,17 +11,44 @@ from __future__ import annotations
 import json
 import math
 
-__all__ = ["RESULT_MIME", "record"]
+__all__ = ["RESULT_MIME", "format_value", "record"]
 
 RESULT_MIME = "application/vnd.mgpu.result+json"
 
 
+def format_value(value: object) -> str:
+    """``value`` as :func:`record` shows it: floats rounded, inside lists and dicts too.
+
+    At least 1000: a whole number; below that, four significant
+    digits; below 0.001, scientific notation with three. Other values print as they are.
+    """
+    if isinstance(value, bool) or not isinstance(value, (float, list, tuple, dict)):
+        return str(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {format_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(format_value(v) for v in value) + "]"
+    if not math.isfinite(value):
+        return str(value)
+    size = abs(value)
+    if size >= 1e15:  # beyond a readable whole number
+        return f"{value:.3e}"
+    if size >= 1000:
+        return f"{value:.0f}"
+    if size >= 1e-3 or value == 0:
+        return f"{value:.4g}"
+    return f"{value:.2e}"
+
+
 def record(name: str, value: object, unit: str = "") -> None:
-    """Show ``name = value`` and hand it to the course report. ``value`` must be JSON-ready."""
+    """Show ``name = value`` (rounded) and hand the exact value to the course report.
+
+    ``value`` must be JSON-ready: a number, string, bool, None, or lists and dicts of those.
+    """
     if isinstance(value, float) and not math.isfinite(value):
         value = str(value)
     json.dumps(value)  # fail here, with the value at hand, rather than in the report
-    text = f"{name} = {value:.4g}" if isinstance(value, float) else f"{name} = {value}"
+    text = f"{name} = {format_value(value)}"
     text += f" {unit}" if unit else ""
     try:
         from IPython import get_ipython

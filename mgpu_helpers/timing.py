@@ -3,18 +3,24 @@
 GPU kernels run asynchronously: a Python timer around a CUDA call measures only the launch.
 :func:`measure` synchronises the device before reading the clock, runs warm-up calls first
 (allocator, cuDNN autotuning, caches) and reports the median of several repeats.
+
+Comparing two ways of doing the same work (lesson 03's one device against ``nn.DataParallel``)
+needs more care on a busy machine: :func:`measure_alternating` times them in turns, one call of
+each per round, so a slow spell of the machine hits both alike, and :func:`compare` says from
+the rounds whether one was really faster or the difference is within the noise.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Timing", "measure", "synchronize"]
+__all__ = ["Comparison", "Timing", "compare", "measure", "measure_alternating", "synchronize"]
 
 
 Devices = torch.device | str | Sequence[torch.device | str]
@@ -78,3 +84,113 @@ def measure(
         synchronize(device)
         times.append(time.perf_counter() - start)
     return Timing(tuple(times))
+
+
+def measure_alternating(
+    fns: Mapping[str, Callable[[], object]],
+    device: Devices = "cpu",
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> dict[str, Timing]:
+    """Time several functions in rounds: one synchronised call of each per round (lesson 03).
+
+    Timing one function after the other lets a slow spell of the machine (another program, a
+    CPU clocking down) fall on whichever ran then; in rounds it falls on all of them. The order
+    rotates from round to round, so none always runs first. Every function is warmed up
+    ``warmup`` times before any is timed. Returns one :class:`Timing` per name, whose
+    ``times[i]`` come from round ``i``, ready for :func:`compare`.
+    """
+    if not fns:
+        raise ValueError("nothing to time: pass a dict of name -> function")
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    synchronize(device)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            fns[name]()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: Timing(tuple(times[name])) for name in names}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """How many times faster one function ran than another, round by round (lesson 03).
+
+    ``ratios[i]`` is the other's time divided by this one's in round ``i`` (above 1: faster).
+    """
+
+    ratios: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        """The speed ratio to quote, when :attr:`meaningful` says there is one."""
+        return statistics.median(self.ratios)
+
+    @property
+    def low(self) -> float:
+        return min(self.ratios)
+
+    @property
+    def high(self) -> float:
+        return max(self.ratios)
+
+    @property
+    def p_value(self) -> float:
+        """Two-sided sign test: how likely rounds split this unevenly if both were as fast.
+
+        Counts the rounds in which each one was faster; with two equally fast functions each
+        round is a coin toss, so 5 rounds out of 5 going the same way has probability 2/32.
+        """
+        faster = sum(r > 1 for r in self.ratios)
+        slower = sum(r < 1 for r in self.ratios)
+        n = faster + slower
+        if n == 0:
+            return 1.0
+        tail = sum(math.comb(n, i) for i in range(min(faster, slower) + 1)) / 2**n
+        return min(1.0, 2 * tail)
+
+    @property
+    def meaningful(self) -> bool:
+        """True when the rounds agree on which one is faster (sign test, p < 0.1).
+
+        Needs at least 5 rounds: with fewer, even unanimous rounds could be chance.
+        """
+        return self.p_value < 0.1
+
+    def describe(self, name: str, other: str) -> str:
+        """One sentence: the ratio when it means something, else why it does not."""
+        rounds = f"{len(self.ratios)} rounds ranged from {self.low:.2f}x to {self.high:.2f}x"
+        if self.meaningful:
+            return f"{name} ran {self.median:.2f}x as fast as {other} ({rounds})"
+        if len(self.ratios) < 5:
+            return (
+                f"no verdict: {len(self.ratios)} rounds are too few to tell a difference from"
+                f" noise (need 5 or more); {rounds}"
+            )
+        return (
+            f"no measurable difference between {name} and {other}: the {rounds}, so the"
+            " spread between rounds is larger than any difference; a ratio would mean nothing"
+        )
+
+
+def compare(timing: Timing, other: Timing) -> Comparison:
+    """Round-by-round speed of ``timing`` relative to ``other`` (lesson 03).
+
+    Both must come from one :func:`measure_alternating` call, so round ``i`` of each ran at the
+    same moment.
+    """
+    if len(timing.times) != len(other.times):
+        raise ValueError(
+            f"{len(timing.times)} and {len(other.times)} repeats: compare timings from one "
+            "measure_alternating call, which gives every function the same rounds"
+        )
+    pairs = zip(timing.times, other.times, strict=True)
+    return Comparison(tuple(b / a if a > 0 else math.inf for a, b in pairs))

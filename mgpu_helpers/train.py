@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from .progress import progress_bar
 from .timing import synchronize
 
 __all__ = [
@@ -199,7 +200,10 @@ def _batch_bar(loader: Iterable, desc: str, progress: bool) -> tqdm:
     # what it wraps as soon as it is created (tqdm issue #1598), which would start the
     # DataLoader twice per epoch: a different shuffle than a plain loop, and, with worker
     # processes, a second set of workers (tqdm issue #1467).
-    return tqdm(total=_length(loader), desc=desc, leave=False, disable=not progress, unit="batch")
+    # In a notebook, progress_bar ends as a line of text, which a saved notebook keeps.
+    return progress_bar(
+        total=_length(loader), desc=desc, leave=False, disable=not progress, unit="batch"
+    )
 
 
 def _counted(loader: Iterable, bar: tqdm) -> Iterator:
@@ -242,7 +246,7 @@ def fit(
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs must be a whole number >= 1, got {epochs!r}")
     history = History()
-    bar = tqdm(range(epochs), desc="epochs", disable=not progress, unit="epoch")
+    bar = progress_bar(range(epochs), desc="epochs", disable=not progress, unit="epoch")
     # One batch bar for the whole run, reset every epoch: a notebook bar is a widget that costs
     # milliseconds to create, a lot next to an epoch that takes a few (small data on a GPU).
     with _batch_bar(train_loader, f"epoch 1/{epochs}", progress) as batches:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 import pytest
 import torch
 
 import mgpu_helpers.timing as timing
-from mgpu_helpers.timing import Timing, measure, synchronize
+from mgpu_helpers.timing import Timing, compare, measure, measure_alternating, synchronize
 
 
 def test_measure_counts_warmup_and_repeats():
@@ -105,3 +106,75 @@ def test_measure_on_several_devices_waits_for_all_of_them(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: seen.append(dev.index))
     measure(lambda: None, ["cuda:0", "cuda:1"], warmup=1, repeats=2)
     assert seen == [0, 1] * 3  # after the warm-up, then after each timed call
+
+
+# --- measure_alternating and compare (lesson 03's like-for-like comparison) ------------------
+
+
+def test_measure_alternating_runs_in_rotating_rounds(monkeypatch):
+    events: list[str] = []
+    monkeypatch.setattr(timing, "synchronize", lambda device: events.append("sync"))
+    fns = {name: (lambda name=name: events.append(name)) for name in ("a", "b", "c")}
+    result = measure_alternating(fns, "cuda:0", warmup=1, repeats=3)
+    assert events == (
+        ["a", "b", "c", "sync"]  # warm-up of each, then wait for it
+        + ["a", "sync", "b", "sync", "c", "sync"]  # round 1
+        + ["b", "sync", "c", "sync", "a", "sync"]  # round 2 starts with the next one
+        + ["c", "sync", "a", "sync", "b", "sync"]
+    )
+    assert list(result) == ["a", "b", "c"]
+    assert all(len(t.times) == 3 for t in result.values())
+
+
+def test_measure_alternating_shares_a_slow_spell_between_both():
+    """A machine that slows down half-way hurts both functions alike, not the one timed last."""
+    clock = {"calls": 0}
+
+    def work() -> None:  # the same work; the machine is 3x slower for the second half
+        clock["calls"] += 1
+        time.sleep(0.01 if clock["calls"] <= 6 else 0.03)
+
+    sequential = {name: measure(work, warmup=0, repeats=6) for name in ("first", "second")}
+    assert compare(sequential["second"], sequential["first"]).median < 0.5  # a false "2x"
+    clock["calls"] = 0
+    alternating = measure_alternating({"first": work, "second": work}, warmup=0, repeats=6)
+    verdict = compare(alternating["second"], alternating["first"])
+    assert 0.6 < verdict.median < 1.6
+
+
+def test_measure_alternating_rejects_bad_input():
+    with pytest.raises(ValueError, match="nothing to time"):
+        measure_alternating({})
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        measure_alternating({"a": lambda: None}, repeats=0)
+
+
+def test_compare_ratio_and_sign_test():
+    fast, slow = Timing((1.0, 1.1, 0.9, 1.0, 1.2)), Timing((2.0, 2.1, 2.0, 1.9, 2.4))
+    verdict = compare(fast, slow)
+    assert verdict.ratios == pytest.approx((2.0, 2.1 / 1.1, 2.0 / 0.9, 1.9, 2.0))
+    assert verdict.median == pytest.approx(2.0)
+    assert verdict.p_value == pytest.approx(2 / 32)
+    assert verdict.meaningful
+    assert verdict.describe("A", "B").startswith("A ran 2.00x as fast as B")
+
+
+def test_compare_says_when_the_rounds_disagree():
+    a, b = Timing((1.0, 2.0, 1.0, 2.0, 1.0, 2.0)), Timing((2.0, 1.0, 2.0, 1.0, 2.0, 1.5))
+    verdict = compare(a, b)
+    assert verdict.low < 1 < verdict.high
+    assert verdict.p_value == 1.0 and not verdict.meaningful
+    text = verdict.describe("DataParallel", "one device")
+    assert text.startswith("no measurable difference") and "a ratio would mean nothing" in text
+    assert "0.50x to 2.00x" in text
+
+
+def test_compare_needs_five_rounds_for_a_verdict():
+    verdict = compare(Timing((1.0, 1.0, 1.0)), Timing((2.0, 2.0, 2.0)))  # unanimous, but 3
+    assert verdict.p_value == pytest.approx(0.25) and not verdict.meaningful
+    assert "too few" in verdict.describe("a", "b")
+
+
+def test_compare_rejects_timings_of_different_lengths():
+    with pytest.raises(ValueError, match="measure_alternating"):
+        compare(Timing((1.0,)), Timing((1.0, 2.0)))
