@@ -50,6 +50,7 @@ from mgpu_helpers.devices import course_plan  # noqa: E402
 from mgpu_helpers.model_parallel import (  # noqa: E402
     balance,
     bubble_fraction,
+    forward_overlap,
     idle_fraction,
     layer_costs,
     pipeline_step,
@@ -239,11 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     idle: dict[int, list[float]] = {m: [] for m in args.micro}
+    overlap_s: dict[int, list[float]] = {m: [] for m in args.micro}
 
     def pipe(m: int) -> Callable[[], None]:
         def step() -> None:
             _, events = pipeline_step(split, opt_split, x, y, m)
             idle[m].append(idle_fraction(events))
+            overlap_s[m].append(forward_overlap(events))
 
         return step
 
@@ -258,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(2):
             step()
     sync_all(devices)
-    for values in idle.values():
+    for values in (*idle.values(), *overlap_s.values()):
         values.clear()
 
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -286,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("Here the stages share one device, so nothing can overlap: the ideal is 1.0.")
     header = f"{'variant':<10} {'ms/step':>9} {'samples/s':>11} {'vs unsplit':>11} {'ideal':>6}"
-    print(f"\n{header} {'idle':>6} {'bubble':>7}")
+    print(f"\n{header} {'idle':>6} {'bubble':>7} {'overlap':>9}")
     for name in variants:
         line = (
             f"{name:<10} {median[name] * 1e3:9.2f} {speed[name]:11,.0f} "
@@ -295,8 +298,13 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("pipe"):
             m = int(name.split("=")[1])
             line += f" {statistics.median(idle[m]):6.0%} {bubble_fraction(n_stages, m):7.0%}"
+            line += f" {statistics.median(overlap_s[m]) * 1e3:6.2f} ms"
         print(line)
     print("\nidle: measured share of time the stages waited (median); bubble: (S-1)/(M+S-1).")
+    print(
+        "overlap: how long before stage 0's last forward ended stage 1 started its first "
+        "(median;\n> 0: the stages worked at the same time, <= 0: they took turns)."
+    )
 
     if args.out:
         result = {
@@ -325,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
             "ideal_ratio_to_unsplit": ideal,
             "idle_fraction": {f"pipe M={m}": statistics.median(v) for m, v in idle.items()},
             "bubble_fraction": {f"pipe M={m}": bubble_fraction(n_stages, m) for m in args.micro},
+            "forward_overlap_seconds": {
+                f"pipe M={m}": statistics.median(v) for m, v in overlap_s.items()
+            },
             "pipeline_check_max_difference": diff,
             "cpu_two_thread_speedup": overlap,
         }

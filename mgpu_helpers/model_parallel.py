@@ -4,9 +4,12 @@
 between them in ``forward``; autograd carries the gradients back across devices on its own.
 :func:`pipeline_step` runs a GPipe schedule: the batch is cut into micro-batches, every stage
 runs in its own thread, forwards for all micro-batches, then backwards in reverse, so stage 1
-can work on micro-batch 0 while stage 0 works on micro-batch 1. It records a timeline of what
-ran when (CUDA events on GPUs, the wall clock on the CPU). :func:`balance` chooses where to cut
-an ``nn.Sequential`` so the stages cost about the same, by parameter count or measured time.
+can work on micro-batch 0 while stage 0 works on micro-batch 1. Each stage sends its output
+(and, going back, its input's gradient) on to the next device right after computing it; between
+two GPUs the copy runs on side streams and the receiving stage's stream waits on an event. It
+records a timeline of what ran when (CUDA events on GPUs, the wall clock on the CPU).
+:func:`balance` chooses where to cut an ``nn.Sequential`` so the stages cost about the same, by
+parameter count or measured time.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ __all__ = [
     "SplitModel",
     "balance",
     "bubble_fraction",
+    "forward_overlap",
     "idle_fraction",
     "layer_costs",
     "memory_by_device",
@@ -233,6 +237,53 @@ class _Clock:
         return float(mark)  # type: ignore[arg-type]
 
 
+_Streams = dict[tuple[torch.device, torch.device], tuple[torch.cuda.Stream, torch.cuda.Stream]]
+
+
+def _copy_streams(devices: Sequence[torch.device]) -> _Streams:
+    """A (send, receive) pair of side streams for each direction between neighbouring GPUs."""
+    streams: _Streams = {}
+    for a, b in zip(devices, devices[1:], strict=False):
+        if a != b and a.type == b.type == "cuda":
+            for src, dst in ((a, b), (b, a)):  # activations forward, gradients back
+                if (src, dst) not in streams:
+                    streams[src, dst] = (torch.cuda.Stream(src), torch.cuda.Stream(dst))
+    return streams
+
+
+def _send(t: Tensor, dst: torch.device, streams: _Streams) -> tuple[Tensor, object]:
+    """Start moving ``t``, just computed by this thread, to ``dst``; return it and its arrival.
+
+    Lesson 05, section 4.1. A device-to-device ``.to()`` runs on the *source* device's current
+    stream and makes the destination's current stream wait for it. Issued by the receiving
+    stage, it would queue behind every forward the sending stage had already queued, so the
+    sender issues it, right after its own work. Between two GPUs the copy runs on a side stream
+    of each device (``send``, ``receive``), so it holds up neither stage's computation; the
+    returned event marks the arrival, which :func:`_receive` makes the consumer wait for. On
+    the CPU, or within one device, the tensor is moved (or kept) as it is, with no event.
+    """
+    if (t.device, dst) not in streams:
+        return t.to(dst), None
+    send, receive = streams[t.device, dst]
+    send.wait_stream(torch.cuda.current_stream(t.device))  # after t is computed, not later work
+    # Current streams during the copy: send on the source, receive on the destination.
+    with torch.cuda.stream(receive), torch.cuda.stream(send):
+        moved = t.to(dst, non_blocking=True)
+    t.record_stream(send)  # the allocator keeps t's memory until the copy has read it
+    arrived = torch.cuda.Event()
+    arrived.record(receive)
+    return moved, arrived
+
+
+def _receive(t: Tensor, arrived: object) -> Tensor:
+    """Make this thread's stream on ``t``'s device wait until ``t`` has arrived (see _send)."""
+    if arrived is not None:
+        compute = torch.cuda.current_stream(t.device)
+        compute.wait_event(arrived)  # type: ignore[arg-type]
+        t.record_stream(compute)  # t was allocated on the receive stream and is used here
+    return t
+
+
 def pipeline_step(
     model: SplitModel,
     optimizer: torch.optim.Optimizer,
@@ -242,9 +293,11 @@ def pipeline_step(
     *,
     loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
 ) -> tuple[Tensor, list[Event]]:
-    """One training step with the GPipe schedule over ``n_micro`` micro-batches.
+    """One training step with the GPipe schedule over ``n_micro`` micro-batches (lesson 05).
 
     Each stage runs in its own thread: all forwards in order, then all backwards in reverse.
+    A stage sends each output to the next stage's device as soon as it has computed it, and
+    each input's gradient back the same way; a timeline event starts once its input is there.
     Micro-batch losses are weighted by their share of the batch, so the accumulated gradients
     equal the whole batch's. ``n_micro=1`` is the naive split, with no overlap. Returns the
     batch's mean loss and the timeline.
@@ -255,13 +308,17 @@ def pipeline_step(
         raise ValueError(f"n_micro={n_micro} is more than the {inputs.shape[0]} samples")
     stages, devices = list(model.stages), model.devices
     n_stages = len(stages)
-    xs, ys = inputs.chunk(n_micro), targets.chunk(n_micro)
+    # Inputs to the first device and targets to the last one before the step starts: a copy
+    # issued later by the last stage's thread would queue behind the first stage's work.
+    xs = inputs.to(devices[0]).chunk(n_micro)
+    ys = targets.to(devices[-1]).chunk(n_micro)
     n_micro = len(xs)  # chunk may make fewer pieces
     total = inputs.shape[0]
-    forward_q = [queue.Queue() for _ in range(n_stages + 1)]  # into stage s
-    backward_q = [queue.Queue() for _ in range(n_stages + 1)]  # gradient into stage s
+    streams = _copy_streams(devices)
+    forward_q = [queue.Queue() for _ in range(n_stages)]  # (micro, activation, arrival) into s
+    backward_q = [queue.Queue() for _ in range(n_stages)]  # (micro, gradient, arrival) into s
     for m, x in enumerate(xs):
-        forward_q[0].put((m, x))
+        forward_q[0].put((m, x, None))
     clock = _Clock(devices)
     marks: list[tuple[int, int, str, object, object]] = []
     losses: list[Tensor] = [torch.zeros(())] * n_micro
@@ -276,33 +333,39 @@ def pipeline_step(
             torch.cuda.set_device(dev)  # this thread issues its work to its own GPU
         try:
             for _ in range(n_micro):
-                m, x = forward_q[s].get()
-                begin = clock.mark(dev)
-                inp = x.detach().to(dev).requires_grad_(s > 0)
+                m, x, arrived = forward_q[s].get()
+                if m < 0:
+                    return  # another stage failed
+                inp = _receive(x, arrived).detach().requires_grad_(s > 0)
+                begin = clock.mark(dev)  # the input is here: the forward can start
                 out = stage(inp)
                 if s == n_stages - 1:
                     weight = xs[m].shape[0] / total
-                    out = loss_fn(out, ys[m].to(dev)) * weight
+                    out = loss_fn(out, ys[m]) * weight
                     losses[m] = out.detach()
                 saved[m] = (inp, out)
                 marks.append((s, m, "F", begin, clock.mark(dev)))
-                forward_q[s + 1].put((m, out.detach()))
+                if s < n_stages - 1:  # send the activation on at once
+                    forward_q[s + 1].put((m, *_send(out.detach(), devices[s + 1], streams)))
             for _ in range(n_micro):
                 if s == n_stages - 1:
                     m = max(saved)  # the last stage starts with the last micro-batch
                     grad = None
                 else:
-                    m, grad = backward_q[s].get()
+                    m, grad, arrived = backward_q[s].get()
+                    if m < 0:
+                        return
+                    grad = _receive(grad, arrived)
                 inp, out = saved.pop(m)
                 begin = clock.mark(dev)
-                out.backward(None if grad is None else grad.to(out.device))
+                out.backward(grad)
                 marks.append((s, m, "B", begin, clock.mark(dev)))
-                if s > 0:
-                    backward_q[s - 1].put((m, inp.grad))
+                if s > 0:  # send the input's gradient back at once
+                    backward_q[s - 1].put((m, *_send(inp.grad, devices[s - 1], streams)))
         except BaseException as exc:  # surfaced in the caller's thread
             errors.append(exc)
             for q in (*forward_q, *backward_q):
-                q.put((-1, None))
+                q.put((-1, None, None))
 
     threads = [threading.Thread(target=run_stage, args=(s,), daemon=True) for s in range(n_stages)]
     for t in threads:
@@ -320,6 +383,20 @@ def pipeline_step(
     ]
     loss = torch.stack([loss.to(inputs.device) for loss in losses]).sum()
     return loss, sorted(events, key=lambda e: (e.stage, e.start))
+
+
+def forward_overlap(events: Sequence[Event], stage: int = 0) -> float:
+    """Seconds by which stage ``stage + 1``'s first forward starts before ``stage``'s last ends.
+
+    Lesson 05: positive when the two stages ran forwards of different micro-batches at the same
+    time (a pipeline), zero or negative when the next stage started only once this one had
+    finished every forward (the naive split, or a pipeline that serialised).
+    """
+    mine = [e for e in events if e.stage == stage and e.kind == "F"]
+    nexts = [e for e in events if e.stage == stage + 1 and e.kind == "F"]
+    if not mine or not nexts:
+        raise ValueError(f"need forward events of stages {stage} and {stage + 1}")
+    return max(e.end for e in mine) - min(e.start for e in nexts)
 
 
 def bubble_fraction(n_stages: int, n_micro: int) -> float:

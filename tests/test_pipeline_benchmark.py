@@ -41,6 +41,9 @@ def test_quick_run_prints_ratios_and_writes_json(tmp_path: Path) -> None:
     assert data["ratio_to_unsplit"]["unsplit"] == 1.0
     assert data["ideal_ratio_to_unsplit"]["pipe M=2"] in (1.0, 4 / 3)  # 4/3 with 2+ cores
     assert data["bubble_fraction"] == {"pipe M=1": 0.5, "pipe M=2": 1 / 3}
+    # the naive split (M=1) cannot overlap: stage 1 starts only after stage 0's one forward
+    assert data["forward_overlap_seconds"]["pipe M=1"] <= 0
+    assert set(data["forward_overlap_seconds"]) == {"pipe M=1", "pipe M=2"}
     assert all(len(t) == data["repeats"] for t in data["seconds_per_step"].values())
 
 
