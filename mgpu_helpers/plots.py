@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import matplotlib
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 from .model_parallel import Event, bubble_fraction
 from .train import History
@@ -22,24 +24,112 @@ __all__ = [
 ]
 
 
+_COINCIDE = 0.005  # curves closer than this share of the axis' span are drawn as coinciding
+
+
+def _coincide(a: Sequence[float], b: Sequence[float], tolerance: float) -> bool:
+    """Same length and every point within ``tolerance`` (NaN matches NaN: no test set)."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if math.isnan(x) or math.isnan(y):
+            if not (math.isnan(x) and math.isnan(y)):
+                return False
+        elif abs(x - y) > tolerance:
+            return False
+    return True
+
+
 def plot_history(runs: History | Mapping[str, History], title: str = "") -> Figure:
-    """Loss and accuracy per epoch, one line per run (train solid, test dashed)."""
+    """Loss and accuracy per epoch, one colour per run (train solid, test dashed); lesson 02 on.
+
+    Epochs are whole numbers on the axis. When a run's curve coincides with an earlier run's
+    (within 0.5% of the axis, as one device and ``nn.DataParallel`` do in lesson 03), the earlier
+    one is drawn thick and pale and the later one thin with x/+ markers on top of it; the
+    legend and the title say so, so that no run seems to be missing.
+    """
     if isinstance(runs, History):
         runs = {"run": runs}
+    items = list(runs.items())
     fig = Figure(figsize=(10, 3.6))
     ax_loss, ax_acc = fig.subplots(1, 2)
-    for i, (label, h) in enumerate(runs.items()):
-        color = f"C{i}"
-        ax_loss.plot(h.epoch, h.train_loss, "-o", color=color, label=f"{label} train")
-        ax_loss.plot(h.epoch, h.test_loss, "--s", color=color, label=f"{label} test")
-        ax_acc.plot(h.epoch, h.train_acc, "-o", color=color, label=f"{label} train")
-        ax_acc.plot(h.epoch, h.test_acc, "--s", color=color, label=f"{label} test")
+    losses = [v for _, h in items for v in (*h.train_loss, *h.test_loss) if not math.isnan(v)]
+    loss_span = (max(losses) - min(losses)) if losses else 0.0
+    tolerance = {"loss": _COINCIDE * (loss_span or 1.0), "acc": _COINCIDE * 1.02}
+    curves = [  # (History field, axes, line style, marker)
+        ("train_loss", ax_loss, "-", "o"),
+        ("test_loss", ax_loss, "--", "s"),
+        ("train_acc", ax_acc, "-", "o"),
+        ("test_acc", ax_acc, "--", "s"),
+    ]
+    twin: dict[tuple[int, str], int] = {}  # (run, curve) -> the earlier run it lies on
+    for i, (_, h) in enumerate(items):
+        for key, *_ in curves:
+            tol = tolerance[key.split("_")[1]]
+            for j in range(i):
+                other = items[j][1]
+                if h.epoch == other.epoch and _coincide(getattr(h, key), getattr(other, key), tol):
+                    twin[(i, key)] = j
+                    break
+    under = {(j, key) for (_, key), j in twin.items()}
+    for i, (label, h) in enumerate(items):
+        color = f"C{i % 10}"
+        for key, ax, style, marker in curves:
+            kind = key.split("_")[0]  # train or test
+            values = getattr(h, key)
+            if (i, key) in twin:  # thin, on top of the curve it coincides with
+                ax.plot(
+                    h.epoch,
+                    values,
+                    linestyle=style,
+                    marker="x" if kind == "train" else "+",
+                    markersize=8,
+                    linewidth=1.2,
+                    color=color,
+                    zorder=3,
+                    label=f"{label} {kind} (on {items[twin[(i, key)]][0]})",
+                )
+            elif (i, key) in under:  # thick and pale, so the curve on top stays visible
+                ax.plot(
+                    h.epoch,
+                    values,
+                    linestyle=style,
+                    marker=marker,
+                    markersize=9,
+                    linewidth=4.5,
+                    alpha=0.4,
+                    color=color,
+                    label=f"{label} {kind}",
+                )
+            else:
+                ax.plot(
+                    h.epoch,
+                    values,
+                    linestyle=style,
+                    marker=marker,
+                    color=color,
+                    label=f"{label} {kind}",
+                )
     ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
     ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy", ylim=(0, 1.02))
     for ax in (ax_loss, ax_acc):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # no epoch 1.5
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
-    if title:
+    if twin:
+        shared: dict[tuple[int, int], list[str]] = {}
+        for (i, key), j in twin.items():
+            shared.setdefault((i, j), []).append(key.replace("_", " ").replace("acc", "accuracy"))
+        parts = []
+        for (i, j), keys in sorted(shared.items()):
+            a, b = items[i][0], items[j][0]
+            what = "" if len(keys) == len(curves) else f" in {', '.join(keys)}"
+            parts.append(f"{a} coincides with {b}{what}")
+        note = "; ".join(parts) + " (thin lines with x/+ markers drawn over thick pale ones)"
+        title = f"{title}\n{note}" if title else note
+    if twin:
+        fig.suptitle(title, fontsize="medium")  # two lines: the note in a smaller size
+    elif title:
         fig.suptitle(title)
     fig.tight_layout()
     return fig
@@ -49,14 +139,47 @@ def plot_throughput(
     samples_per_sec: Mapping[str, float],
     ideal: Mapping[str, float] | None = None,
     title: str = "training throughput",
+    *,
+    ranges: Mapping[str, tuple[float, float]] | None = None,
 ) -> Figure:
-    """Bars of samples per second per method, with the ideal (e.g. linear scaling) as markers."""
+    """Bars of samples per second per method, with the ideal (e.g. linear scaling) as markers.
+
+    ``ranges`` adds a whisker from the slowest to the fastest repeat of a method (lesson 03),
+    so a gap between two bars can be read against the noise of the measurement.
+    """
     labels = list(samples_per_sec)
     values = [samples_per_sec[k] for k in labels]
     fig = Figure(figsize=(max(4.0, 1.4 * len(labels) + 2), 3.6))
     ax = fig.subplots()
     bars = ax.bar(labels, values, color=[f"C{i}" for i in range(len(labels))])
-    ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], fontsize="small")
+    # With whiskers, the numbers go inside the bars, where no whisker can cover them.
+    ax.bar_label(
+        bars,
+        labels=[f"{v:,.0f}" for v in values],
+        fontsize="small",
+        label_type="center" if ranges else "edge",
+        color="white" if ranges else None,
+    )
+    tops = [*values, *(ideal or {}).values()]
+    if ranges:
+        xs = [i for i, k in enumerate(labels) if k in ranges]
+        for k in ranges:
+            low, high = ranges[k]
+            if k in samples_per_sec and not low <= samples_per_sec[k] <= high:
+                raise ValueError(f"range {low}..{high} of {k!r} does not hold its bar's value")
+        ax.errorbar(
+            xs,
+            [values[i] for i in xs],
+            yerr=[
+                [values[i] - ranges[labels[i]][0] for i in xs],
+                [ranges[labels[i]][1] - values[i] for i in xs],
+            ],
+            fmt="none",
+            ecolor="black",
+            capsize=6,
+            label="slowest to fastest repeat",
+        )
+        tops += [ranges[labels[i]][1] for i in xs]
     if ideal:
         xs = [i for i, k in enumerate(labels) if k in ideal]
         ax.scatter(
@@ -68,9 +191,9 @@ def plot_throughput(
             zorder=3,
             label="ideal",
         )
-        ax.legend(loc="upper left")
-    top = max([*values, *(ideal or {}).values()])
-    ax.set_ylim(0, 1.25 * top)  # headroom for the labels and the legend
+    if ideal or ranges:
+        ax.legend(loc="upper left", fontsize="small")
+    ax.set_ylim(0, 1.25 * max(tops))  # headroom for the labels and the legend
     ax.set(ylabel="samples / s", title=title)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()

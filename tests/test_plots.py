@@ -9,7 +9,8 @@ import matplotlib
 matplotlib.use("Agg")  # no display in the tests
 
 import pytest  # noqa: E402
-from matplotlib.container import BarContainer  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.container import BarContainer, ErrorbarContainer  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from mgpu_helpers.plots import plot_history, plot_throughput  # noqa: E402
@@ -20,9 +21,9 @@ def _history(n: int = 3, offset: float = 0.0) -> History:
     return History(
         epoch=list(range(1, n + 1)),
         train_loss=[2.0 - i * 0.5 + offset for i in range(n)],
-        train_acc=[0.3 + 0.2 * i for i in range(n)],
-        test_loss=[2.1 - i * 0.4 for i in range(n)],
-        test_acc=[0.25 + 0.2 * i for i in range(n)],
+        train_acc=[0.3 + 0.2 * i - offset / 2 for i in range(n)],
+        test_loss=[2.1 - i * 0.4 + offset for i in range(n)],
+        test_acc=[0.25 + 0.2 * i - offset / 2 for i in range(n)],
         samples_per_sec=[1000.0] * n,
     )
 
@@ -60,6 +61,59 @@ def test_plot_history_several_runs_have_one_colour_each():
     colours = [line.get_color() for line in ax_loss.lines]
     assert colours[0] == colours[1] and colours[0] != colours[2]
     assert fig.get_suptitle() == ""
+
+
+def test_plot_history_epoch_ticks_are_whole_numbers():
+    for n in (1, 2, 3, 5):
+        fig = plot_history(_history(n))
+        FigureCanvasAgg(fig).draw()  # ticks are placed when the figure is drawn
+        for ax in fig.axes:
+            ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+            assert ticks and all(float(t).is_integer() for t in ticks), (n, ticks)
+
+
+def test_plot_history_draws_coinciding_runs_distinguishably_and_says_so():
+    runs = {"one device": _history(), "nn.DataParallel": _history()}  # the same numbers
+    fig = plot_history(runs, title="lesson 03")
+    for ax in fig.axes:
+        under, on_top = ax.lines[:2], ax.lines[2:]
+        for low, high in zip(under, on_top, strict=True):
+            assert list(low.get_ydata()) == list(high.get_ydata())
+            assert high.get_linewidth() < low.get_linewidth()  # thin over thick
+            assert high.get_zorder() > low.get_zorder()
+            assert low.get_alpha() is not None and low.get_alpha() < 1
+            assert high.get_marker() in ("x", "+") and low.get_marker() in ("o", "s")
+        labels = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert "nn.DataParallel train (on one device)" in labels
+        assert "nn.DataParallel test (on one device)" in labels
+    title = fig.get_suptitle()
+    assert title.startswith("lesson 03\n")
+    assert "nn.DataParallel coincides with one device (" in title  # every curve: no list
+    assert _png(fig).startswith(b"\x89PNG")
+
+
+def test_plot_history_names_the_curves_that_coincide_when_only_some_do():
+    a, b = _history(), _history()
+    b.train_loss = [v + 0.3 for v in b.train_loss]  # clearly apart; the rest identical
+    fig = plot_history({"A": a, "B": b})
+    title = fig.get_suptitle()
+    assert "B coincides with A in test loss, train accuracy, test accuracy" in title
+    ax_loss = fig.axes[0]
+    train_a, test_a, train_b, test_b = ax_loss.lines
+    assert train_a.get_linewidth() == train_b.get_linewidth()  # apart: ordinary lines
+    assert test_b.get_linewidth() < test_a.get_linewidth()
+
+
+def test_plot_history_runs_apart_by_more_than_half_a_percent_are_not_merged():
+    a, b = _history(), _history()
+    b.test_acc = [v + 0.02 for v in b.test_acc]  # 2% of the accuracy axis
+    b.train_acc = [v + 0.02 for v in b.train_acc]
+    b.train_loss = [v + 0.05 for v in b.train_loss]  # loss span is 1.5: 3% of it
+    b.test_loss = [v + 0.05 for v in b.test_loss]
+    fig = plot_history({"A": a, "B": b})
+    assert fig.get_suptitle() == ""
+    widths = {line.get_linewidth() for ax in fig.axes for line in ax.lines}
+    assert len(widths) == 1
 
 
 def test_plot_history_with_nan_test_values_still_draws():
@@ -103,3 +157,23 @@ def test_plot_throughput_width_grows_with_methods(n):
     fig = plot_throughput({f"m{i}": float(i + 1) for i in range(n)})
     assert len(_bars(fig)) == n
     assert fig.get_figwidth() == max(4.0, 1.4 * n + 2)
+
+
+def test_plot_throughput_whiskers_show_the_range_of_the_repeats():
+    speeds = {"one device": 1000.0, "DataParallel": 950.0}
+    ranges = {"one device": (700.0, 1300.0), "DataParallel": (600.0, 1400.0)}
+    fig = plot_throughput(speeds, {"one device": 1000.0, "DataParallel": 1000.0}, ranges=ranges)
+    ax = fig.axes[0]
+    (whiskers,) = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    (segments,) = whiskers.lines[2]
+    spans = [tuple(seg[:, 1]) for seg in segments.get_segments()]
+    assert spans == [(700.0, 1300.0), (600.0, 1400.0)]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "slowest to fastest repeat" in legend and "ideal" in legend
+    assert ax.get_ylim()[1] >= 1400.0
+    assert _png(fig).startswith(b"\x89PNG")
+
+
+def test_plot_throughput_rejects_a_range_that_misses_its_bar():
+    with pytest.raises(ValueError, match="does not hold"):
+        plot_throughput({"a": 10.0}, ranges={"a": (11.0, 12.0)})
