@@ -4,10 +4,16 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 QUICK_FLAG := $(if $(filter 1 true yes,$(QUICK)),--quick,)
+# make course PARAMS="EPOCHS=1 DATASET=digits" ONLY="00 02": one --param per NAME=VALUE word.
+PARAM_FLAGS := $(foreach p,$(PARAMS),--param $(p))
+ONLY_FLAG  := $(if $(ONLY),--only $(ONLY),)
+# nbgrader 0.9 for the autograding test, in its own environment (not in requirements.txt).
+GRADING       := .venv-grading
+GRADING_STAMP := $(GRADING)/.installed
 # Cloud images and containers often log in as root, which JupyterLab refuses without this flag.
 ROOT_FLAG  := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab course test student doctor lint benchmark clean
+.PHONY: lab course test student doctor lint benchmark grading-env clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,14 +25,21 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 lab: $(STAMP)  ## JupyterLab on the lessons
 	$(BIN)/jupyter lab $(ROOT_FLAG) notebooks/
 
-course: $(STAMP)  ## run every lesson headless (QUICK=1 for quick mode); report in build/course/
-	$(BIN)/mgpu course $(QUICK_FLAG)
+course: $(STAMP)  ## run every lesson headless (QUICK=1, PARAMS="EPOCHS=1 ...", ONLY="00 02")
+	$(BIN)/mgpu course $(QUICK_FLAG) $(ONLY_FLAG) $(PARAM_FLAGS)
 
-test: $(STAMP)  ## lint, unit tests, distributed tests, every notebook in quick mode
+$(GRADING_STAMP):
+	test -x $(GRADING)/bin/python || $(PYTHON) -m venv $(GRADING)
+	$(GRADING)/bin/pip install "nbgrader==0.9.*"
+	touch $(GRADING_STAMP)
+
+grading-env: $(GRADING_STAMP)  ## nbgrader 0.9 in .venv-grading (make test uses it)
+
+test: $(STAMP) $(GRADING_STAMP)  ## lint, unit tests, every notebook in quick mode, nbgrader
 	$(BIN)/ruff check .
-	$(BIN)/pytest
+	MGPU_NBGRADER=$(abspath $(GRADING))/bin/nbgrader $(BIN)/pytest
 
-student: $(STAMP)  ## student edition (solutions stubbed) in build/student/
+student: $(STAMP)  ## the student copy of the course (solutions stubbed) in build/student/
 	$(BIN)/mgpu student
 
 doctor: $(STAMP)  ## environment report

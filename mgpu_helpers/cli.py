@@ -142,33 +142,50 @@ def main(argv: list[str] | None = None) -> int:
         action="append",
         type=_parse_param,
         default=[],
-        help="override a notebook parameter, e.g. --param DATASET='cifar10'",
+        help="override a parameter of the lessons that have it, e.g. --param DATASET=cifar10 "
+        "(a name no selected lesson has is an error)",
     )
     clean = sub.add_parser("clean", help="strip outputs and editor metadata from the lessons")
     clean.add_argument("--notebooks", default="notebooks")
     clean.add_argument("paths", nargs="*", help="notebooks to clean (default: every lesson)")
-    student = sub.add_parser("student", help="write the student edition (solutions stubbed)")
-    student.add_argument("--notebooks", default="notebooks")
-    student.add_argument("--out", default="build/student")
+    student = sub.add_parser(
+        "student",
+        help="write the student copy of the course: the package, requirements, docs and the "
+        "notebooks with solutions stubbed",
+    )
+    student.add_argument(
+        "--notebooks",
+        default="notebooks",
+        help="the lessons; their parent folder is the course that is copied",
+    )
+    student.add_argument("--out", default="build/student", help="where the copy goes")
     args = parser.parse_args(argv)
 
     if args.command == "doctor":
         return doctor()
     from .notebooks import clean_notebook, find_lessons
 
-    try:
-        lessons = find_lessons(args.notebooks)
-    except FileNotFoundError as exc:
-        parser.error(str(exc))
+    if args.command == "clean" and args.paths:  # the named notebooks, wherever they are
+        lessons = [Path(p) for p in args.paths]
+    else:
+        try:
+            lessons = find_lessons(args.notebooks)
+        except FileNotFoundError as exc:
+            parser.error(str(exc))
     if args.command == "clean":
-        for path in [Path(p) for p in args.paths] or lessons:
+        for path in lessons:
             print(f"{'cleaned' if clean_notebook(path) else 'clean  '} {path}")
         return 0
     if args.command == "student":
-        from .student import make_student_edition
+        from .student import make_student_copy
 
-        for path in make_student_edition(lessons, args.out):
-            print(f"wrote {path}")
+        root = Path(args.notebooks).resolve().parent
+        try:
+            out = make_student_copy(root, args.out, lessons)
+        except ValueError as exc:
+            parser.error(str(exc))
+        print(f"wrote the student copy of {root} to {out}")
+        print(f"  {len(lessons)} lessons with solutions stubbed in {out / 'notebooks'}")
         return 0
     if args.only:
         wanted = set(args.only)
@@ -177,7 +194,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--only {' '.join(args.only)} matches no lesson in {args.notebooks}")
     from .course import run_course
 
-    runs = run_course(lessons, args.out, quick=args.quick, params=dict(args.param))
+    try:
+        runs = run_course(lessons, args.out, quick=args.quick, params=dict(args.param))
+    except ValueError as exc:  # a --param no selected lesson has: nothing ran
+        parser.error(str(exc))
     failed = [r.name for r in runs if r.status != "passed"]
     print(f"report: {Path(args.out) / 'report.html'}")
     if failed:

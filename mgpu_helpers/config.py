@@ -2,15 +2,27 @@
 
 Each notebook's first code cell, tagged ``parameters``, holds plain values; the next cell builds a
 :class:`LessonConfig` from them. Quick mode (``MGPU_QUICK=1`` or ``quick=True``) shrinks data and
-epochs so the whole course runs in minutes on a laptop; the tests always use it.
+epochs so the whole course runs in minutes on a laptop; the tests always use it. The data folder
+is found from the course's top folder, not from where a kernel happens to run
+(:func:`resolve_data_dir`).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
-__all__ = ["DATASETS", "MODELS", "QUICK_LIMITS", "LessonConfig", "quick_from_env"]
+__all__ = [
+    "DATASETS",
+    "MODELS",
+    "QUICK_LIMITS",
+    "LessonConfig",
+    "course_root",
+    "grading_from_env",
+    "quick_from_env",
+    "resolve_data_dir",
+]
 
 DATASETS = ("digits", "fashionmnist", "cifar10", "synthetic")
 MODELS = ("auto", "cnn", "resnet", "mlp")
@@ -20,14 +32,55 @@ MODELS = ("auto", "cnn", "resnet", "mlp")
 QUICK_LIMITS = {"epochs": 3, "train_samples": 1024, "test_samples": 256}
 
 
-def quick_from_env() -> bool:
-    """True when ``MGPU_QUICK`` is set to 1/true/yes (how `make course QUICK=1` and tests ask)."""
-    value = os.environ.get("MGPU_QUICK", "").strip().lower()
+def _flag_from_env(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False
     if value in ("1", "true", "yes", "on"):
         return True
-    raise ValueError(f"MGPU_QUICK must be 1 or 0 (or true/false), got {value!r}")
+    raise ValueError(f"{name} must be 1 or 0 (or true/false), got {value!r}")
+
+
+def quick_from_env() -> bool:
+    """True when ``MGPU_QUICK`` is set to 1/true/yes (how `make course QUICK=1` and tests ask)."""
+    return _flag_from_env("MGPU_QUICK")
+
+
+def grading_from_env() -> bool:
+    """True when ``MGPU_GRADING`` is 1/true/yes: an autograder runs the notebook (``check``)."""
+    return _flag_from_env("MGPU_GRADING")
+
+
+def _is_course_root(folder: Path) -> bool:
+    return (folder / "notebooks").is_dir() and (folder / "mgpu_helpers").is_dir()
+
+
+def course_root() -> Path:
+    """The course's top folder, the one that holds ``notebooks/`` and ``mgpu_helpers/``.
+
+    Taken from where this package lives when it is used from the course's folder (``make`` and
+    ``environment.yml`` install it in editable mode), else the first folder holding both, from
+    the working directory upwards; the working directory when neither finds one.
+    """
+    package_parent = Path(__file__).resolve().parents[1]
+    cwd = Path.cwd().resolve()
+    for folder in (package_parent, cwd, *cwd.parents):
+        if _is_course_root(folder):
+            return folder
+    return cwd
+
+
+def resolve_data_dir(data_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The folder torchvision data sets are read from and downloaded to (lesson 02 on).
+
+    ``data_dir`` when given; else the ``MGPU_DATA`` environment variable when set; else
+    ``data/`` in the course's top folder. A relative path is taken from the course's top folder,
+    never from the working directory (kernels run in ``notebooks/``).
+    """
+    if data_dir is None:
+        data_dir = os.environ.get("MGPU_DATA", "").strip() or "data"
+    path = Path(data_dir).expanduser()
+    return path if path.is_absolute() else course_root() / path
 
 
 @dataclass(frozen=True)
@@ -45,7 +98,9 @@ class LessonConfig:
     quick: bool = field(default_factory=quick_from_env)  # tiny data, few epochs (tests, laptops)
     train_samples: int | None = None  # cap on training samples (None: all; quick mode caps)
     test_samples: int | None = None  # cap on test samples (None: all; quick mode caps)
-    data_dir: str = "data"  # where torchvision data sets are downloaded and read
+    # where torchvision data sets are read and downloaded; None: $MGPU_DATA, else data/ in the
+    # course's top folder (relative paths too are taken from there: resolve_data_dir)
+    data_dir: str | os.PathLike[str] | None = None
     progress: bool = True  # show tqdm progress bars
 
     def __post_init__(self) -> None:
@@ -68,6 +123,10 @@ class LessonConfig:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.data_dir is not None and not (
+            isinstance(self.data_dir, (str, os.PathLike)) and str(self.data_dir)
+        ):
+            raise ValueError(f"data_dir must be a folder (a path) or None, got {self.data_dir!r}")
         # What was asked for before quick mode capped it, so replace(quick=False) can undo it.
         requested = {name: getattr(self, name) for name in QUICK_LIMITS}
         object.__setattr__(self, "_requested", requested)
@@ -89,7 +148,9 @@ class LessonConfig:
 
     def describe(self) -> str:
         """One readable line per field, with a note when quick mode shrank the run."""
-        lines = [f"{k:>14}: {v}" for k, v in asdict(self).items()]
+        values = asdict(self)
+        values["data_dir"] = resolve_data_dir(self.data_dir)  # the folder actually used
+        lines = [f"{k:>14}: {v}" for k, v in values.items()]
         if self.quick:
             lines.append("    quick mode: epochs and samples capped (set MGPU_QUICK=0 for full)")
         return "\n".join(lines)

@@ -2,14 +2,17 @@
 
 Each notebook is executed in a real Jupyter kernel with nbclient. Quick mode reaches the kernel
 through the ``MGPU_QUICK`` environment variable; other parameters are injected as a cell right
-after the cell tagged ``parameters`` (as papermill does). The runner collects what the lesson
-recorded with :func:`mgpu_helpers.record.record` and the self-check verdicts, and a failing
-lesson is reported with its error while the others still run.
+after the cell tagged ``parameters`` (as papermill does), in each lesson whose parameters cell
+has them (:func:`plan_parameters`: a name no lesson has is an error before anything runs). The
+runner collects what the lesson recorded with :func:`mgpu_helpers.record.record` and the
+self-check verdicts (:data:`mgpu_helpers.exercises.VERDICT_MIME`), and a failing lesson is
+reported with its error while the others still run.
 """
 
 from __future__ import annotations
 
 import ast
+import difflib
 import html
 import json
 import keyword
@@ -20,14 +23,15 @@ from pathlib import Path
 
 import nbformat
 
-from .exercises import MARKER
-from .notebooks import parameters_cell_index
+from .exercises import VERDICT_MIME
+from .notebooks import is_self_check_cell, parameter_names, parameters_cell_index
 from .record import RESULT_MIME
 from .util import temporary_environ, write_json
 
 __all__ = [
     "LessonRun",
     "inject_parameters",
+    "plan_parameters",
     "run_course",
     "run_lesson",
     "write_report",
@@ -45,6 +49,7 @@ class LessonRun:
     checks: dict[str, bool] = field(default_factory=dict)  # self-check name -> passed
     error: str = ""  # the failing cell's exception, when status is "failed"
     output_path: str = ""  # the executed notebook
+    params: dict[str, object] = field(default_factory=dict)  # injected after the parameters cell
 
 
 def inject_parameters(nb: nbformat.NotebookNode, params: Mapping[str, object]) -> None:
@@ -72,20 +77,55 @@ def inject_parameters(nb: nbformat.NotebookNode, params: Mapping[str, object]) -
     nb.cells.insert(index + 1, cell)
 
 
-def _collect(nb: nbformat.NotebookNode, run: LessonRun) -> None:
+def plan_parameters(
+    notebooks: list[Path], params: Mapping[str, object]
+) -> tuple[dict[str, dict[str, object]], dict[str, list[str]]]:
+    """Which lessons get which of ``params``: only lessons whose parameters cell has the name.
+
+    Returns (lesson name -> its parameters, parameter -> lessons that do not have it, so ignore
+    it). A name that no lesson has (a typo such as ``EPOCH``) raises ValueError naming the
+    closest valid names, before any lesson runs.
+    """
+    known = {}
+    for path in notebooks:
+        try:
+            known[path.stem] = parameter_names(nbformat.read(path, as_version=4))
+        except Exception:  # unreadable, or no parameters cell: its run reports why
+            known[path.stem] = []
+    every = sorted({name for names in known.values() for name in names})
+    unknown = [name for name in params if not any(name in names for names in known.values())]
+    if unknown:
+        lines = []
+        for name in unknown:
+            close = difflib.get_close_matches(name.upper(), every, n=3, cutoff=0.6)
+            near = f"; did you mean {' or '.join(close)}?" if close else ""
+            lines.append(f"--param {name}: no lesson run here has a parameter {name}{near}")
+        raise ValueError("\n".join(lines) + f"\nparameters of these lessons: {', '.join(every)}")
+    per_lesson = {
+        stem: {k: v for k, v in params.items() if k in names} for stem, names in known.items()
+    }
+    ignored = {
+        name: [stem for stem, names in known.items() if name not in names] for name in params
+    }
+    return per_lesson, {name: stems for name, stems in ignored.items() if stems}
+
+
+def _collect(nb: nbformat.NotebookNode, run: LessonRun, *, grading: bool) -> None:
     for cell in nb.cells:
         for out in cell.get("outputs", []):
             data = out.get("data", {})
-            if RESULT_MIME in data:
-                item = data[RESULT_MIME]
-                if isinstance(item, str):
-                    item = json.loads(item)
-                run.results[item["name"]] = item["value"]
-            if out.get("output_type") == "stream":
-                for line in out.get("text", "").splitlines():
-                    if line.startswith(MARKER):
-                        verdict, _, name = line[len(MARKER) :].strip().partition(" ")
-                        run.checks[name] = verdict == "PASS"
+            for mime, into in ((RESULT_MIME, run.results), (VERDICT_MIME, run.checks)):
+                if mime in data:
+                    item = data[mime]
+                    if isinstance(item, str):
+                        item = json.loads(item)
+                    into[item["name"]] = item["value" if mime == RESULT_MIME else "passed"]
+            # A self-check cell may raise without stopping the run (it is tagged so); outside
+            # grading it never should: an error there is a crash of the check cell itself.
+            crashed = out.get("output_type") == "error" and is_self_check_cell(cell)
+            if crashed and not grading and run.status == "passed":
+                run.status = "failed"
+                run.error = f"{out.get('ename', 'Error')}: {out.get('evalue', '')}"
 
 
 def run_lesson(
@@ -95,8 +135,13 @@ def run_lesson(
     quick: bool,
     params: Mapping[str, object] | None = None,
     cell_timeout: int = 1800,
+    grading: bool = False,
 ) -> LessonRun:
-    """Execute one notebook in a fresh kernel and write the executed copy to ``out_dir``."""
+    """Execute one notebook in a fresh kernel and write the executed copy to ``out_dir``.
+
+    ``params`` are injected as given (:func:`run_course` first checks their names);
+    ``grading=True`` runs it as an autograder would (``MGPU_GRADING=1``: failed checks raise).
+    """
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
@@ -105,7 +150,7 @@ def run_lesson(
     out_dir.mkdir(parents=True, exist_ok=True)
     nb = nbformat.read(path, as_version=4)
     inject_parameters(nb, params or {})
-    run = LessonRun(name=path.stem, status="passed", seconds=0.0)
+    run = LessonRun(name=path.stem, status="passed", seconds=0.0, params=dict(params or {}))
     client = NotebookClient(
         nb,
         timeout=cell_timeout,
@@ -115,6 +160,7 @@ def run_lesson(
     start = time.perf_counter()
     env = {
         "MGPU_QUICK": "1" if quick else "0",
+        "MGPU_GRADING": "1" if grading else "0",
         "MPLBACKEND": "module://matplotlib_inline.backend_inline",
     }
     # What the kernel and its child processes print outside the notebook (their own warnings,
@@ -130,7 +176,7 @@ def run_lesson(
         run.status = "failed"
         run.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
     run.seconds = time.perf_counter() - start
-    _collect(nb, run)
+    _collect(nb, run, grading=grading)
     out_path = out_dir / path.name
     nbformat.write(nb, out_path)
     run.output_path = str(out_path)
@@ -151,14 +197,22 @@ def run_course(
     params: Mapping[str, object] | None = None,
     echo: bool = True,
 ) -> list[LessonRun]:
-    """Run every lesson in order (a failure does not stop the others) and write the report."""
+    """Run every lesson in order (a failure does not stop the others) and write the report.
+
+    Each parameter goes to the lessons that have it (:func:`plan_parameters`, which raises
+    ValueError for a name that none has); the others ignore it, and ``echo`` says which.
+    """
+    per_lesson, ignored = plan_parameters(notebooks, params or {}) if params else ({}, {})
+    if echo:
+        for name, stems in ignored.items():
+            print(f"note: {name} is not a parameter of {', '.join(stems)}: ignored there")
     runs = []
     for path in notebooks:
         if echo:
             print(f"running {path.name} ({'quick' if quick else 'full'} mode) ...", flush=True)
         start = time.perf_counter()
         try:
-            run = run_lesson(path, out_dir, quick=quick, params=params)
+            run = run_lesson(path, out_dir, quick=quick, params=per_lesson.get(path.stem))
         except Exception as exc:  # unreadable notebook, kernel that never starts, ...
             run = LessonRun(
                 path.stem,

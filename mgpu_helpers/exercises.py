@@ -1,18 +1,31 @@
 """Self-checks for the exercises at the end of every lesson.
 
-A self-check never crashes the notebook: it prints a clear PASS, or a FAIL with what went
-wrong and a hint, and returns True or False. Each printed verdict also carries a machine-readable
-marker line, ``[self-check] PASS <name>``, that the course runner and the tests read.
+For a learner a self-check never crashes the notebook: it shows a clear PASS, or a FAIL with
+what went wrong and a hint, and returns True or False, so "Run All" goes on to the end. In a
+kernel the verdict is one display with two forms: the line the learner reads (``text/plain``)
+and a small JSON record (:data:`VERDICT_MIME`) that the course runner and the tests read.
+
+Under an autograder (``MGPU_GRADING=1``, set by ``nbgrader_config.py``) a failed check also
+raises :class:`CheckFailed` after showing its verdict, because nbgrader scores a test cell by
+whether it raised.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import traceback
 from collections.abc import Callable
 
-__all__ = ["MARKER", "check"]
+from .config import grading_from_env
 
-MARKER = "[self-check]"
+__all__ = ["VERDICT_MIME", "CheckFailed", "check"]
+
+VERDICT_MIME = "application/vnd.mgpu.check+json"
+
+
+class CheckFailed(AssertionError):
+    """A self-check failed while an autograder runs the notebook (``MGPU_GRADING=1``)."""
 
 
 def check(name: str, test: Callable[[], object], hint: str) -> bool:
@@ -21,34 +34,45 @@ def check(name: str, test: Callable[[], object], hint: str) -> bool:
     ``test`` uses plain ``assert`` statements with messages saying what was expected. An
     unfinished exercise (``raise NotImplementedError``) reports that it is still to do.
     """
+    grading = grading_from_env()
+    passed, detail = _run(test, grading)
+    _show(name, passed, detail, hint)
+    if grading and not passed:
+        raise CheckFailed(f"{name}: {detail}")
+    return passed
+
+
+def _run(test: Callable[[], object], grading: bool) -> tuple[bool, str]:
+    # nbgrader gives a test cell no points when it wrote anything to stderr (a warning, a
+    # launcher's rank output): while grading, what the test writes there goes to stdout.
+    redirect = contextlib.redirect_stderr(sys.stdout) if grading else contextlib.nullcontext()
     try:
-        result = test()
+        with redirect:
+            result = test()
     except NotImplementedError:
-        _verdict(
-            name,
-            False,
-            "not implemented yet: replace the `raise NotImplementedError()` with your solution.",
-            hint,
-        )
-        return False
+        todo = "replace the `raise NotImplementedError()` with your solution."
+        return False, f"not implemented yet: {todo}"
     except AssertionError as exc:
-        _verdict(name, False, str(exc) or "an assertion failed", hint)
-        return False
+        return False, str(exc) or "an assertion failed"
     except Exception as exc:  # the learner's code raised: show where, not a crash
         where = traceback.extract_tb(exc.__traceback__)[-1]
-        detail = f"{type(exc).__name__}: {exc} (line {where.lineno} of {where.name})"
-        _verdict(name, False, detail, hint)
-        return False
+        return False, f"{type(exc).__name__}: {exc} (line {where.lineno} of {where.name})"
     if result is False:
-        _verdict(name, False, "the check returned False", hint)
-        return False
-    _verdict(name, True, "", hint)
-    return True
+        return False, "the check returned False"
+    return True, ""
 
 
-def _verdict(name: str, passed: bool, detail: str, hint: str) -> None:
-    if passed:
-        print(f"PASS  {name}")
-    else:
-        print(f"FAIL  {name}: {detail}\n      hint: {hint}")
-    print(f"{MARKER} {'PASS' if passed else 'FAIL'} {name}")
+def _show(name: str, passed: bool, detail: str, hint: str) -> None:
+    """Show the verdict once: the line in the notebook, the record beside it for the runner."""
+    text = f"PASS  {name}" if passed else f"FAIL  {name}: {detail}\n      hint: {hint}"
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:  # plain Python without IPython: just print
+        print(text)
+        return
+    if get_ipython() is None:
+        print(text)
+        return
+    record = {"name": name, "passed": passed, "detail": detail, "hint": hint}
+    display({VERDICT_MIME: record, "text/plain": text}, raw=True)

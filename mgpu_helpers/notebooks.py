@@ -1,25 +1,41 @@
 """Lesson notebooks as files: finding them, their parameters cell, and keeping them clean.
 
 Notebooks are committed without outputs, each with a first code cell tagged ``parameters``.
-:func:`notebook_problems` says what breaks those rules (the tests use it) and
+Each exercise is a solution cell (between ``### BEGIN SOLUTION`` / ``### END SOLUTION``) and,
+as the next code cell, a self-check cell calling ``check(...)``; both carry nbgrader's cell
+metadata (an answer cell; a graded, locked test cell), so nbgrader can grade the lessons as they
+are. :func:`notebook_problems` says what breaks those rules (the tests use it) and
 :func:`clean_notebook` fixes what can be fixed (``mgpu clean``, before a commit).
 """
 
 from __future__ import annotations
 
+import ast
+import re
+from collections import Counter
 from pathlib import Path
 
 import nbformat
 
 __all__ = [
     "PARAMETERS_TAG",
+    "SELF_CHECK_TAG",
     "clean_notebook",
     "find_lessons",
+    "is_self_check_cell",
+    "is_solution_cell",
     "notebook_problems",
+    "parameter_names",
     "parameters_cell_index",
 ]
 
 PARAMETERS_TAG = "parameters"
+# nbclient (and so papermill, the course runner and the tests) goes on after an error in a cell
+# with this tag. A self-check raises only under an autograder; the tag lets such a run reach the
+# end, as nbgrader's own executor does.
+SELF_CHECK_TAG = "raises-exception"
+SOLUTION_BEGIN = "### BEGIN SOLUTION"  # nbgrader's marker (the student edition strips it too)
+DEFAULT_POINTS = 1  # points of a self-check cell that has none yet
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 _EDITOR_KEYS = ("lines_to_next_cell", "execution", "collapsed", "scrolled")
 
@@ -42,8 +58,86 @@ def parameters_cell_index(nb: nbformat.NotebookNode) -> int:
     raise ValueError("the notebook has no code cell tagged 'parameters'")
 
 
+def parameter_names(nb: nbformat.NotebookNode) -> list[str]:
+    """The names the parameters cell assigns, in order (what ``--param NAME=...`` may set)."""
+    tree = ast.parse(_python_only(nb.cells[parameters_cell_index(nb)].source))
+    names: list[str] = []
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        for target in targets:
+            for leaf in ast.walk(target) if target is not None else ():
+                if isinstance(leaf, ast.Name) and leaf.id not in names:
+                    names.append(leaf.id)
+    return names
+
+
+def is_solution_cell(cell: nbformat.NotebookNode) -> bool:
+    """A code cell holding an exercise's solution between nbgrader's markers."""
+    return cell.cell_type == "code" and SOLUTION_BEGIN in cell.source
+
+
+def is_self_check_cell(cell: nbformat.NotebookNode) -> bool:
+    """A code cell that calls ``check(...)`` at its top level (``_ = check(...)`` too)."""
+    if cell.cell_type != "code" or "check(" not in cell.source:
+        return False
+    try:
+        tree = ast.parse(_python_only(cell.source))
+    except SyntaxError:  # a learner's half-typed cell: fall back to the text
+        return re.search(r"^(_\s*=\s*)?check\(", cell.source, re.MULTILINE) is not None
+    for node in tree.body:
+        value = getattr(node, "value", None)
+        if isinstance(node, (ast.Expr, ast.Assign)) and isinstance(value, ast.Call):
+            func = value.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            if name == "check":
+                return True
+    return False
+
+
+def _python_only(source: str) -> str:
+    """The cell without IPython's magics and shell lines, which ``ast`` cannot read."""
+    return "\n".join(
+        "" if line.lstrip()[:1] in ("%", "!") else line for line in source.splitlines()
+    )
+
+
+def _solution_metadata(grade_id: str) -> dict:
+    return {  # an autograded answer: nbgrader's generate_assignment takes it as is
+        "grade": False,
+        "grade_id": grade_id,
+        "locked": False,
+        "schema_version": 3,
+        "solution": True,
+    }
+
+
+def _check_metadata(grade_id: str, points: float) -> dict:
+    return {  # an autograder test: graded, and locked so a learner cannot edit it away
+        "grade": True,
+        "grade_id": grade_id,
+        "locked": True,
+        "points": points,
+        "schema_version": 3,
+        "solution": False,
+    }
+
+
+def _points(cell: nbformat.NotebookNode) -> float:
+    """The points an instructor gave this check (kept by ``mgpu clean``), else the default."""
+    points = cell.metadata.get("nbgrader", {}).get("points")
+    ok = isinstance(points, (int, float)) and not isinstance(points, bool) and points > 0
+    return points if ok else DEFAULT_POINTS
+
+
 def notebook_problems(nb: nbformat.NotebookNode) -> list[str]:
-    """What breaks the commit rules: outputs, execution counts, a missing parameters cell."""
+    """What breaks the commit rules.
+
+    Outputs, execution counts, a missing parameters cell, and exercises that nbgrader would
+    not grade: a solution cell without nbgrader's answer metadata or not collapsed, a solution
+    without a self-check cell right after it, a self-check cell that is not a graded, locked
+    test cell tagged ``raises-exception``, nbgrader metadata on a cell that is neither, and
+    grade ids used twice.
+    """
     problems = []
     code = [c for c in nb.cells if c.cell_type == "code"]
     for i, cell in enumerate(nb.cells):
@@ -55,13 +149,70 @@ def notebook_problems(nb: nbformat.NotebookNode) -> list[str]:
             problems.append("the cell tagged 'parameters' is not the first code cell")
     except ValueError as exc:
         problems.append(str(exc))
+    problems += _exercise_problems(nb)
+    return problems
+
+
+def _exercise_problems(nb: nbformat.NotebookNode) -> list[str]:
+    problems = []
+    fix = "(run `mgpu clean`)"
+    for i, cell in enumerate(nb.cells):
+        meta = cell.metadata.get("nbgrader")
+        if is_solution_cell(cell):
+            if not (
+                meta
+                and meta.get("solution") is True
+                and meta.get("grade") is False
+                and meta.get("grade_id")
+                and meta.get("schema_version") == 3
+            ):
+                problems.append(
+                    f"cell {i} is a solution cell without nbgrader's answer metadata {fix}"
+                )
+            if not cell.metadata.get("jupyter", {}).get("source_hidden"):
+                problems.append(f"cell {i} is a solution cell that does not start collapsed {fix}")
+            after = next((c for c in nb.cells[i + 1 :] if c.cell_type == "code"), None)
+            if after is None or not is_self_check_cell(after):
+                problems.append(
+                    f"cell {i} is a solution cell not followed by its self-check (the next code "
+                    'cell must call check("exercise N: ...", test, hint=...))'
+                )
+        elif is_self_check_cell(cell):
+            ok = (
+                meta
+                and meta.get("grade") is True
+                and meta.get("locked") is True
+                and meta.get("solution") is False
+                and meta.get("grade_id")
+                and meta.get("schema_version") == 3
+                and _points(cell) == meta.get("points")
+            )
+            if not ok:
+                problems.append(
+                    f"cell {i} is a self-check without nbgrader's graded, locked test metadata "
+                    f"{fix}"
+                )
+            if SELF_CHECK_TAG not in cell.metadata.get("tags", []):
+                problems.append(f"cell {i} is a self-check not tagged '{SELF_CHECK_TAG}' {fix}")
+        elif meta is not None and (meta.get("solution") or meta.get("grade")):
+            problems.append(
+                f"cell {i} carries nbgrader metadata but is neither a solution cell (with "
+                f"'{SOLUTION_BEGIN}') nor a self-check; remove the metadata or the cell"
+            )
+    ids = Counter(
+        c.metadata["nbgrader"].get("grade_id") for c in nb.cells if "nbgrader" in c.metadata
+    )
+    for grade_id, n in ids.items():
+        if grade_id and n > 1:
+            problems.append(f"grade_id {grade_id!r} is used by {n} cells {fix}")
     return problems
 
 
 def clean_notebook(path: str | Path) -> bool:
     """Strip outputs, execution counts and editor metadata in place; True when it changed.
 
-    Solution cells are collapsed and marked as nbgrader solution cells on the way.
+    Solution cells are collapsed and marked as nbgrader answer cells on the way, and self-check
+    cells as graded, locked nbgrader test cells (their points kept) tagged ``raises-exception``.
     """
     path = Path(path)
     before = path.read_text()
@@ -72,18 +223,19 @@ def clean_notebook(path: str | Path) -> bool:
         if cell.cell_type == "code":
             cell.outputs = []
             cell.execution_count = None
-    solutions = 0
+    solutions = checks = 0
     for cell in nb.cells:
-        if cell.cell_type == "code" and "### BEGIN SOLUTION" in cell.source:
+        if is_solution_cell(cell):
             solutions += 1
             cell.metadata.setdefault("jupyter", {})["source_hidden"] = True  # collapsed
-            cell.metadata["nbgrader"] = {  # lets nbgrader's generate_assignment take it as is
-                "grade": False,
-                "grade_id": f"{path.stem}-solution-{solutions}",
-                "locked": False,
-                "schema_version": 3,
-                "solution": True,
-            }
+            cell.metadata["nbgrader"] = _solution_metadata(f"{path.stem}-solution-{solutions}")
+        elif is_self_check_cell(cell):
+            checks += 1
+            points = _points(cell)
+            cell.metadata["nbgrader"] = _check_metadata(f"{path.stem}-check-{checks}", points)
+            tags = cell.metadata.setdefault("tags", [])
+            if SELF_CHECK_TAG not in tags:
+                tags.append(SELF_CHECK_TAG)
     nb.metadata.pop("jupytext", None)
     nb.metadata.pop("widgets", None)
     nb.metadata["kernelspec"] = KERNELSPEC

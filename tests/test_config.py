@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 
-from mgpu_helpers.config import DATASETS, MODELS, QUICK_LIMITS, LessonConfig, quick_from_env
+from mgpu_helpers.config import (
+    DATASETS,
+    MODELS,
+    QUICK_LIMITS,
+    LessonConfig,
+    course_root,
+    quick_from_env,
+    resolve_data_dir,
+)
 
 
 def test_defaults_are_full_size_without_quick_mode(no_quick):
@@ -177,3 +188,102 @@ def test_leaving_quick_mode_restores_the_requested_sizes(no_quick):
     full = quick.replace(quick=False)
     assert (full.epochs, full.train_samples, full.test_samples) == (20, 5000, None)
     assert quick.replace(quick=False, epochs=7).epochs == 7
+
+
+# --- the data folder (resolved when used, from the course's top folder) --------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def no_data_env(monkeypatch):
+    monkeypatch.delenv("MGPU_DATA", raising=False)
+
+
+def test_course_root_is_the_checkout_whatever_the_working_directory(tmp_path, monkeypatch):
+    assert course_root() == ROOT
+    monkeypatch.chdir(ROOT / "notebooks")  # where kernels run
+    assert course_root() == ROOT
+    monkeypatch.chdir(tmp_path)
+    assert course_root() == ROOT
+
+
+def test_data_dir_default_is_data_in_the_course_root(no_quick, no_data_env, monkeypatch):
+    assert LessonConfig().data_dir is None  # nothing computed when the config is made
+    monkeypatch.chdir(ROOT / "notebooks")
+    assert resolve_data_dir() == ROOT / "data"
+    assert resolve_data_dir(LessonConfig().data_dir) == ROOT / "data"
+    assert resolve_data_dir("data") == ROOT / "data"  # relative: from the root, not the cwd
+    assert resolve_data_dir("elsewhere/sets") == ROOT / "elsewhere" / "sets"
+
+
+def test_mgpu_data_wins_over_the_default_when_set(no_quick, tmp_path, monkeypatch):
+    monkeypatch.setenv("MGPU_DATA", str(tmp_path))
+    assert resolve_data_dir() == tmp_path
+    assert resolve_data_dir(LessonConfig().data_dir) == tmp_path  # read when used
+    monkeypatch.setenv("MGPU_DATA", "")  # set but empty: as if unset
+    assert resolve_data_dir() == ROOT / "data"
+    monkeypatch.setenv("MGPU_DATA", "shared/data")
+    assert resolve_data_dir() == ROOT / "shared" / "data"
+
+
+def test_an_explicit_data_dir_wins_over_mgpu_data(no_quick, tmp_path, monkeypatch):
+    monkeypatch.setenv("MGPU_DATA", str(tmp_path / "env"))
+    assert resolve_data_dir(tmp_path / "mine") == tmp_path / "mine"
+    assert resolve_data_dir(LessonConfig(data_dir=str(tmp_path)).data_dir) == tmp_path
+
+
+@pytest.mark.parametrize("value", ["", 3, ["data"], False])
+def test_data_dir_must_be_a_path_or_none(no_quick, value):
+    with pytest.raises(ValueError, match="^data_dir must be a folder"):
+        LessonConfig(data_dir=value)
+
+
+def test_describe_shows_the_data_folder_actually_used(no_quick, tmp_path, monkeypatch):
+    monkeypatch.setenv("MGPU_DATA", str(tmp_path))
+    assert f"data_dir: {tmp_path}" in LessonConfig().describe()
+
+
+# --- the docs quote quick mode's caps from the code ----------------------------------------
+
+NUMBER = r"(\d[\d,]*)"
+CLAIMS = {  # what a sentence about quick mode may say, and the cap it must agree with
+    rf"{NUMBER}\s+epochs?\b": "epochs",
+    rf"epochs? (?:at|to) {NUMBER}\b": "epochs",
+    rf"{NUMBER}\s+training samples": "train_samples",
+    rf"{NUMBER}\s+test samples": "test_samples",
+}
+
+
+def _quick_paragraphs() -> list[tuple[str, str]]:
+    """(file, paragraph) for every paragraph of README.md and docs/ that speaks of quick mode."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for paragraph in path.read_text().split("\n\n"):
+            if re.search(r"quick mode|MGPU_QUICK|QUICK=1|QUICK_LIMITS", paragraph, re.I):
+                found.append((path.name, " ".join(paragraph.split())))
+    return found
+
+
+def test_docs_quote_the_quick_limits_of_the_code():
+    source = (ROOT / "mgpu_helpers" / "config.py").read_text()
+    (line,) = [x for x in source.splitlines() if x.startswith("QUICK_LIMITS = ")]
+    assert line in (ROOT / "docs" / "instructors.md").read_text(), (
+        "docs/instructors.md must quote QUICK_LIMITS as config.py has it"
+    )
+    assert ast.literal_eval(line.partition("=")[2].strip()) == QUICK_LIMITS
+
+
+def test_every_number_the_docs_give_for_quick_mode_matches_the_code():
+    checked = 0
+    for name, paragraph in _quick_paragraphs():
+        for pattern, key in CLAIMS.items():
+            for match in re.finditer(pattern, paragraph):
+                value = int(match.group(1).replace(",", ""))
+                assert value == QUICK_LIMITS[key], (
+                    f"{name} says '{match.group(0)}' about quick mode; the code caps "
+                    f"{key} at {QUICK_LIMITS[key]} (QUICK_LIMITS in mgpu_helpers/config.py): "
+                    f"{paragraph[:200]}"
+                )
+                checked += 1
+    assert checked >= 3, "the docs should state each of quick mode's caps"
