@@ -2,8 +2,9 @@
 
 ``digits`` is the offline default: scikit-learn's bundled 8x8 handwritten digits, real and
 learnable, installed with the requirements. CIFAR-10 and FashionMNIST come through
-torchvision's own classes and download into ``data/`` when the machine is online. ``synthetic``
-is random images for throughput benchmarks, where only speed matters.
+torchvision's own classes and download into ``data/`` in the course's top folder (or
+``$MGPU_DATA``: :func:`~mgpu_helpers.config.resolve_data_dir`) when the machine is online.
+``synthetic`` is random images for throughput benchmarks, where only speed matters.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 
-from .config import DATASETS, LessonConfig
+from .config import DATASETS, LessonConfig, resolve_data_dir
 
 __all__ = [
     "DataInfo",
@@ -79,14 +80,22 @@ def synthetic(
     return TensorDataset(x, y)
 
 
-def torchvision_dataset(name: str, root: str, train: bool, download: bool = True) -> Dataset:
+def torchvision_dataset(
+    name: str,
+    root: str | os.PathLike[str] | None = None,
+    train: bool = True,
+    download: bool = True,
+) -> Dataset:
     """CIFAR-10 or FashionMNIST through torchvision's own classes, stored under ``root``.
 
-    Files already on disk are used as they are; otherwise they are downloaded when
-    ``download`` is true. Failure (offline, blocked, corrupt) raises a one-line RuntimeError
-    naming the offline default.
+    ``root`` is resolved by :func:`~mgpu_helpers.config.resolve_data_dir` (None: the course's
+    data folder). Files already on disk are used as they are; otherwise they are downloaded
+    when ``download`` is true. Failure (offline, blocked, corrupt) raises a one-line
+    RuntimeError naming the offline default.
     """
     from torchvision import datasets, transforms
+
+    root = str(resolve_data_dir(root))
 
     if name == "cifar10":
         cls = datasets.CIFAR10
@@ -136,8 +145,9 @@ def build_datasets(cfg: LessonConfig) -> tuple[Dataset, Dataset, DataInfo]:
         train = synthetic(cfg.train_samples or 4096, shape, info.num_classes, seed=cfg.seed)
         test = synthetic(cfg.test_samples or 1024, shape, info.num_classes, seed=cfg.seed + 1)
     else:
-        train = torchvision_dataset(cfg.dataset, cfg.data_dir, train=True)
-        test = torchvision_dataset(cfg.dataset, cfg.data_dir, train=False)
+        root = resolve_data_dir(cfg.data_dir)  # resolved now, not when the config was made
+        train = torchvision_dataset(cfg.dataset, root, train=True)
+        test = torchvision_dataset(cfg.dataset, root, train=False)
     return _cap(train, cfg.train_samples), _cap(test, cfg.test_samples), INFO[cfg.dataset]
 
 

@@ -320,6 +320,58 @@ def test_torchvision_dataset_rejects_other_names(tmp_path, name):
         torchvision_dataset(name, str(tmp_path), train=True)
 
 
+# --- the data folder: the course's data/ (or $MGPU_DATA), whatever the kernel's cwd ---------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+KERNEL_PROBE = """\
+import json, os
+from mgpu_helpers.config import LessonConfig, resolve_data_dir
+from mgpu_helpers.data import build_datasets
+
+train, test, _ = build_datasets(LessonConfig(dataset="fashionmnist", quick=False))
+with_env = str(resolve_data_dir())
+del os.environ["MGPU_DATA"]
+print(json.dumps({"cwd": os.getcwd(), "with_env": with_env, "default": str(resolve_data_dir()),
+                  "sizes": [len(train), len(test)]}))
+"""
+
+
+@pytest.mark.notebook
+def test_a_kernel_started_in_notebooks_uses_the_course_data_folder(tmp_path, monkeypatch):
+    """What a learner's kernel sees: it runs in notebooks/, the data lives in data/ above it."""
+    import json
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    fake = tmp_path / "fake data"
+    _write_fashionmnist(fake)
+    monkeypatch.setenv("MGPU_DATA", str(fake))  # as the parametrised notebook tests set it
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(KERNEL_PROBE)]
+    where = {"metadata": {"path": str(ROOT / "notebooks")}}  # nothing is written there
+    NotebookClient(nb, timeout=120, kernel_name="python3", resources=where).execute()
+    seen = json.loads(nb.cells[0].outputs[0]["text"])
+    assert seen["cwd"] == str(ROOT / "notebooks")
+    assert seen["with_env"] == str(fake) and seen["sizes"] == [20, 10]
+    assert seen["default"] == str(ROOT / "data")  # not notebooks/data
+
+
+def test_build_datasets_reads_mgpu_data_when_used(no_quick, tmp_path, monkeypatch):
+    _write_fashionmnist(tmp_path)
+    cfg = LessonConfig(dataset="fashionmnist")  # made before the variable is set
+    monkeypatch.setenv("MGPU_DATA", str(tmp_path))
+    train, test, _ = build_datasets(cfg)
+    assert (len(train), len(test)) == (20, 10)
+
+
+def test_torchvision_dataset_without_root_uses_the_course_data_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("MGPU_DATA", str(tmp_path / "empty"))
+    with pytest.raises(RuntimeError, match="empty"):
+        torchvision_dataset("fashionmnist", train=False, download=False)
+
+
 # --- loaders --------------------------------------------------------------------------------
 
 

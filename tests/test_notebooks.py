@@ -14,7 +14,7 @@ import nbformat
 import pytest
 
 from mgpu_helpers.course import run_lesson
-from mgpu_helpers.exercises import MARKER
+from mgpu_helpers.exercises import VERDICT_MIME
 from mgpu_helpers.notebooks import find_lessons, notebook_problems
 from mgpu_helpers.student import BEGIN, make_student_edition, strip_solutions
 
@@ -58,14 +58,14 @@ def with_student_exercises_appended(nb: nbformat.NotebookNode) -> tuple[nbformat
 
 
 def verdicts(cells: list) -> dict[str, tuple[bool, str]]:
-    """Self-check name -> (passed, what it printed), read from executed cells."""
+    """Self-check name -> (passed, what it showed), from the record beside each verdict."""
     found = {}
     for cell in cells:
-        text = "".join(out.get("text", "") for out in cell.get("outputs", []))
-        for line in text.splitlines():
-            if line.startswith(MARKER):
-                verdict, _, name = line[len(MARKER) :].strip().partition(" ")
-                found[name] = (verdict == "PASS", text)
+        for out in cell.get("outputs", []):
+            record = out.get("data", {}).get(VERDICT_MIME)
+            if record is not None:
+                assert record["name"] not in found, f"'{record['name']}' was shown twice"
+                found[record["name"]] = (record["passed"], out["data"]["text/plain"])
     return found
 
 
