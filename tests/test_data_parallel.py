@@ -202,3 +202,16 @@ def test_from_scratch_step_and_data_parallel_on_two_gpus() -> None:
     F.cross_entropy(wrapped(x), y).backward()
     for p, q in zip(plain.parameters(), wrapped.module.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad)
+
+
+@pytest.mark.multigpu
+def test_data_parallel_keeps_batch_norm_statistics_of_device_0_only() -> None:
+    """Lesson 03, section 3.6: the other replicas' running statistics are lost."""
+    n = torch.cuda.device_count()
+    norm = nn.BatchNorm1d(1).to("cuda:0")  # running_mean starts at 0
+    values = torch.arange(4.0 * n).reshape(-1, 1)  # shard i holds 4i .. 4i+3
+    nn.DataParallel(norm, device_ids=list(range(n)))(values)
+    shard_0 = values.chunk(n)[0]
+    torch.testing.assert_close(norm.running_mean.cpu(), norm.momentum * shard_0.mean().reshape(1))
+    assert not torch.allclose(norm.running_mean.cpu(), norm.momentum * values.mean().reshape(1))
+    assert norm.num_batches_tracked.item() == 1  # one update, device 0's
