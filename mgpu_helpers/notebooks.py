@@ -2,7 +2,7 @@
 
 Notebooks are committed without outputs, each with a first code cell tagged ``parameters``.
 Each exercise is a solution cell (between ``### BEGIN SOLUTION`` / ``### END SOLUTION``) and,
-as the next code cell, a self-check cell calling ``check(...)``; both carry nbgrader's cell
+as the next code cell, a self-check cell calling ``check(...)``; the two carry nbgrader's cell
 metadata (an answer cell; a graded, locked test cell), so nbgrader can grade the lessons as they
 are. :func:`notebook_problems` says what breaks those rules (the tests use it) and
 :func:`clean_notebook` fixes what can be fixed (``mgpu clean``, before a commit).
@@ -21,6 +21,7 @@ __all__ = [
     "PARAMETERS_TAG",
     "SELF_CHECK_TAG",
     "clean_notebook",
+    "exercise_check_indices",
     "find_lessons",
     "is_self_check_cell",
     "is_solution_cell",
@@ -94,6 +95,20 @@ def is_self_check_cell(cell: nbformat.NotebookNode) -> bool:
     return False
 
 
+def exercise_check_indices(nb: nbformat.NotebookNode) -> list[int]:
+    """Indices of the graded self-checks: the code cell right after each solution cell, when it
+    calls ``check(...)`` (a ``check`` elsewhere in a lesson is a plain check, not graded)."""
+    found = []
+    for i, cell in enumerate(nb.cells):
+        if is_solution_cell(cell):
+            after = next(
+                (j for j in range(i + 1, len(nb.cells)) if nb.cells[j].cell_type == "code"), None
+            )
+            if after is not None and is_self_check_cell(nb.cells[after]):
+                found.append(after)
+    return found
+
+
 def _python_only(source: str) -> str:
     """The cell without IPython's magics and shell lines, which ``ast`` cannot read."""
     return "\n".join(
@@ -156,6 +171,7 @@ def notebook_problems(nb: nbformat.NotebookNode) -> list[str]:
 def _exercise_problems(nb: nbformat.NotebookNode) -> list[str]:
     problems = []
     fix = "(run `mgpu clean`)"
+    graded = set(exercise_check_indices(nb))
     for i, cell in enumerate(nb.cells):
         meta = cell.metadata.get("nbgrader")
         if is_solution_cell(cell):
@@ -177,7 +193,7 @@ def _exercise_problems(nb: nbformat.NotebookNode) -> list[str]:
                     f"cell {i} is a solution cell not followed by its self-check (the next code "
                     'cell must call check("exercise N: ...", test, hint=...))'
                 )
-        elif is_self_check_cell(cell):
+        elif i in graded:
             ok = (
                 meta
                 and meta.get("grade") is True
@@ -197,7 +213,8 @@ def _exercise_problems(nb: nbformat.NotebookNode) -> list[str]:
         elif meta is not None and (meta.get("solution") or meta.get("grade")):
             problems.append(
                 f"cell {i} carries nbgrader metadata but is neither a solution cell (with "
-                f"'{SOLUTION_BEGIN}') nor a self-check; remove the metadata or the cell"
+                f"'{SOLUTION_BEGIN}') nor the self-check right after one; remove the metadata or "
+                "the cell"
             )
     ids = Counter(
         c.metadata["nbgrader"].get("grade_id") for c in nb.cells if "nbgrader" in c.metadata
@@ -211,8 +228,9 @@ def _exercise_problems(nb: nbformat.NotebookNode) -> list[str]:
 def clean_notebook(path: str | Path) -> bool:
     """Strip outputs, execution counts and editor metadata in place; True when it changed.
 
-    Solution cells are collapsed and marked as nbgrader answer cells on the way, and self-check
-    cells as graded, locked nbgrader test cells (their points kept) tagged ``raises-exception``.
+    Solution cells are collapsed and marked as nbgrader answer cells on the way, and the
+    self-check after each as a graded, locked nbgrader test cell (its points kept) tagged
+    ``raises-exception``.
     """
     path = Path(path)
     before = path.read_text()
@@ -224,12 +242,13 @@ def clean_notebook(path: str | Path) -> bool:
             cell.outputs = []
             cell.execution_count = None
     solutions = checks = 0
-    for cell in nb.cells:
+    graded = set(exercise_check_indices(nb))
+    for i, cell in enumerate(nb.cells):
         if is_solution_cell(cell):
             solutions += 1
             cell.metadata.setdefault("jupyter", {})["source_hidden"] = True  # collapsed
             cell.metadata["nbgrader"] = _solution_metadata(f"{path.stem}-solution-{solutions}")
-        elif is_self_check_cell(cell):
+        elif i in graded:
             checks += 1
             points = _points(cell)
             cell.metadata["nbgrader"] = _check_metadata(f"{path.stem}-check-{checks}", points)

@@ -1,7 +1,8 @@
 """The course runner on tiny notebooks, and the notebook file rules (mgpu_helpers.notebooks).
 
-Kernel starts cost seconds each, so three tests start three kernels in all: one course run of a
-passing and a failing lesson (two kernels), and one lesson run in full mode.
+Kernel starts cost seconds each, so five tests start five kernels in all: one course run of a
+passing and a failing lesson (two kernels), one lesson run in full mode, one as an autograder
+runs it, and one whose self-check cell crashes.
 """
 
 from __future__ import annotations
@@ -13,12 +14,23 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from mgpu_helpers.course import LessonRun, inject_parameters, run_course, run_lesson
+from mgpu_helpers import cli
+from mgpu_helpers.course import (
+    LessonRun,
+    inject_parameters,
+    plan_parameters,
+    run_course,
+    run_lesson,
+)
+from mgpu_helpers.exercises import VERDICT_MIME
 from mgpu_helpers.notebooks import (
     KERNELSPEC,
+    SELF_CHECK_TAG,
     clean_notebook,
     find_lessons,
+    is_self_check_cell,
     notebook_problems,
+    parameter_names,
     parameters_cell_index,
 )
 
@@ -101,7 +113,15 @@ def test_passing_lesson_collects_results_and_checks(course_run):
         for out in cell.outputs
     ]
     assert any("speed = 1234 samples/s" in t for t in texts)  # what the learner saw
-    assert any("PASS  n is three" in t for t in texts)
+    assert not any("[self-check]" in t for t in texts)
+    outputs = executed.cells[4].outputs  # the cell with the two checks: one display each
+    assert [o.output_type for o in outputs][:2] == ["display_data", "display_data"]
+    assert not any(o.output_type == "stream" for o in outputs)  # nothing printed besides
+    verdicts = outputs[:2]
+    assert verdicts[0].data["text/plain"] == "PASS  n is three"
+    assert verdicts[0].data[VERDICT_MIME]["name"] == "n is three"
+    assert verdicts[1].data[VERDICT_MIME]["passed"] is False
+    assert verdicts[1].data["text/plain"].startswith("FAIL  always fails: the check returned")
 
 
 def test_failing_lesson_reports_the_exception(course_run):
@@ -304,3 +324,209 @@ def test_a_lesson_that_cannot_start_is_reported_and_the_course_goes_on(tmp_path)
     runs = run_course([broken], tmp_path / "out", quick=True, echo=False)
     assert runs[0].status == "failed" and runs[0].error
     assert (tmp_path / "out" / "report.html").exists()
+
+
+# --- self-checks as an autograder runs them, and a self-check cell that crashes ---------------
+
+GRADED = [
+    ("params", "N = 1"),
+    ("code", "from mgpu_helpers import check, record"),
+    ("code", "def answer():\n    ### BEGIN SOLUTION\n    return N\n    ### END SOLUTION"),
+    ("code", '_ = check("exercise 1: wrong", lambda: answer() == 2, hint="return 2")'),
+    ("code", "def other():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION"),
+    ("code", 'check("exercise 2: right", lambda: other() == 1, hint="return 1");'),
+    ("code", 'import os\nrecord("grading", os.environ["MGPU_GRADING"])\nrecord("end", True)'),
+]
+
+
+def test_grading_mode_raises_in_tagged_checks_and_the_run_goes_on(tmp_path, notebook_writer):
+    path = notebook_writer(tmp_path / "07_graded.ipynb", GRADED)
+    clean_notebook(path)  # tags the self-checks, as every committed lesson is
+    run = run_lesson(path, tmp_path / "out", quick=True, grading=True)
+    assert run.status == "passed", run.error
+    assert run.results == {"grading": "1", "end": True}  # the cell after a raise still ran
+    assert run.checks == {"exercise 1: wrong": False, "exercise 2: right": True}
+    cells = nbformat.read(run.output_path, as_version=4).cells
+    wrong, right = cells[3].outputs, cells[5].outputs
+    assert wrong[0].data["text/plain"].startswith("FAIL  exercise 1: wrong: the check returned")
+    assert wrong[-1].output_type == "error" and wrong[-1].ename == "CheckFailed"
+    assert [o.output_type for o in right] == ["display_data"]  # a pass raises nothing
+
+
+def test_a_self_check_cell_that_crashes_fails_the_lesson(tmp_path, notebook_writer):
+    cells = [*GRADED[:3], ("code", 'check("exercise 1", lambda: True, hint="h")\nundefined_name')]
+    path = notebook_writer(tmp_path / "08_crash.ipynb", [*cells, GRADED[-1]])
+    clean_notebook(path)
+    run = run_lesson(path, tmp_path / "out", quick=True)  # a learner's run: checks never raise
+    assert run.status == "failed"
+    assert run.error.startswith("NameError") and "undefined_name" in run.error
+    assert run.results["grading"] == "0" and run.checks == {"exercise 1": True}
+
+
+# --- which lessons get which --param --------------------------------------------------------
+
+
+def _lessons_with(tmp_path, notebook_writer, **params_cells):
+    return [
+        notebook_writer(tmp_path / f"{stem}.ipynb", [("params", source), ("code", "x = 1")])
+        for stem, source in params_cells.items()
+    ]
+
+
+def test_parameter_names_reads_the_parameters_cell(notebook_writer, tmp_path):
+    source = "EPOCHS = 3  # passes\nA, B = 1, 2\nLR: float = 0.1\n%time\nEPOCHS = 4"
+    nb = _notebook(notebook_writer, tmp_path, [("markdown", "# x"), ("params", source)])
+    assert parameter_names(nb) == ["EPOCHS", "A", "B", "LR"]
+
+
+def test_plan_parameters_sends_each_to_the_lessons_that_have_it(tmp_path, notebook_writer):
+    lessons = _lessons_with(
+        tmp_path, notebook_writer, **{"00_a": "SEED = 0", "02_b": "EPOCHS = 3\nSEED = 0"}
+    )
+    per_lesson, ignored = plan_parameters(lessons, {"EPOCHS": 1, "SEED": 5})
+    assert per_lesson == {"00_a": {"SEED": 5}, "02_b": {"EPOCHS": 1, "SEED": 5}}
+    assert ignored == {"EPOCHS": ["00_a"]}
+
+
+@pytest.mark.parametrize(("name", "suggestion"), [("EPOCH", "EPOCHS"), ("epochs", "EPOCHS")])
+def test_a_param_no_lesson_has_is_an_error_naming_the_closest(
+    tmp_path, notebook_writer, name, suggestion
+):
+    lessons = _lessons_with(
+        tmp_path, notebook_writer, **{"00_a": "SEED = 0", "02_b": "EPOCHS = 3\nLR = 0.1"}
+    )
+    with pytest.raises(ValueError, match=rf"--param {name}: .*did you mean {suggestion}\?"):
+        plan_parameters(lessons, {"SEED": 1, name: 1})
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match="parameters of these lessons: EPOCHS, LR, SEED"):
+        run_course(lessons, out, quick=True, params={name: 1}, echo=False)
+    assert not out.exists()  # nothing ran, no report
+
+
+def test_mgpu_course_reports_a_misspelt_param_before_running(tmp_path, notebook_writer, capsys):
+    folder = tmp_path / "notebooks"
+    _lessons_with(folder, notebook_writer, **{"00_a": "SEED = 0", "02_b": "EPOCHS = 3"})
+    with pytest.raises(SystemExit) as info:
+        cli.main(["course", "--notebooks", str(folder), "--out", str(tmp_path / "out"),
+                  "--only", "02", "--param", "EPOCH=1"])  # fmt: skip
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--param EPOCH: no lesson run here has a parameter EPOCH; did you mean EPOCHS?" in err
+    with pytest.raises(SystemExit):  # SEED is lesson 00's, which --only leaves out
+        cli.main(["course", "--notebooks", str(folder), "--only", "02", "--param", "SEED=1"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_course_gives_each_lesson_its_params_and_says_who_ignores_one(
+    tmp_path, notebook_writer, capsys, monkeypatch
+):
+    import mgpu_helpers.course as course
+
+    lessons = _lessons_with(tmp_path, notebook_writer, **{"00_a": "X = 0", "02_b": "EPOCHS = 3"})
+    asked = {}
+
+    def fake_run_lesson(path, out_dir, *, quick, params=None):  # no kernel
+        asked[path.stem] = params
+        return LessonRun(path.stem, "passed", 0.0, params=dict(params or {}))
+
+    monkeypatch.setattr(course, "run_lesson", fake_run_lesson)
+    runs = run_course(lessons, tmp_path / "out", quick=True, params={"X": 1, "EPOCHS": 2})
+    assert asked == {"00_a": {"X": 1}, "02_b": {"EPOCHS": 2}}
+    out = capsys.readouterr().out
+    assert "note: X is not a parameter of 02_b: ignored there" in out
+    assert "note: EPOCHS is not a parameter of 00_a: ignored there" in out
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert [r["params"] for r in report["lessons"]] == [{"X": 1}, {"EPOCHS": 2}]
+    assert [r.status for r in runs] == ["passed", "passed"]
+
+
+# --- the exercise rules: graded, locked self-checks after collapsed, marked solutions ----------
+
+SOLUTION = "def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION"
+CHECK = '_ = check("exercise 1: f", lambda: f() == 1, hint="return 1")'
+
+
+def _exercise(notebook_writer, tmp_path, cells=None):
+    path = notebook_writer(
+        tmp_path / "04_ex.ipynb",
+        cells or [("params", "N = 1"), ("code", SOLUTION), ("code", CHECK)],
+    )
+    clean_notebook(path)
+    return path, nbformat.read(path, as_version=4)
+
+
+def test_clean_marks_self_checks_as_graded_locked_tagged_tests(notebook_writer, tmp_path):
+    path, nb = _exercise(notebook_writer, tmp_path)
+    assert notebook_problems(nb) == []
+    meta = nb.cells[2].metadata
+    assert meta["nbgrader"] == {
+        "grade": True,
+        "grade_id": "04_ex-check-1",
+        "locked": True,
+        "points": 1,
+        "schema_version": 3,
+        "solution": False,
+    }
+    assert meta["tags"] == [SELF_CHECK_TAG]
+    nb.cells[2].metadata["nbgrader"]["points"] = 3  # an instructor's weighting is kept
+    nbformat.write(nb, path)
+    assert clean_notebook(path) is False
+    assert nbformat.read(path, as_version=4).cells[2].metadata["nbgrader"]["points"] == 3
+
+
+def test_a_solution_collapsed_by_hand_without_nbgrader_metadata_is_a_problem(
+    notebook_writer, tmp_path
+):
+    _, nb = _exercise(notebook_writer, tmp_path)
+    nb.cells[1].metadata = {"jupyter": {"source_hidden": True}}  # collapsed in JupyterLab
+    assert notebook_problems(nb) == [
+        "cell 1 is a solution cell without nbgrader's answer metadata (run `mgpu clean`)"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (lambda nb: nb.cells[2].metadata.pop("nbgrader"), "cell 2 is a self-check without"),
+        (lambda nb: nb.cells[2].metadata["nbgrader"].update(locked=False), "cell 2 is a self-"),
+        (lambda nb: nb.cells[2].metadata["nbgrader"].update(points=0), "cell 2 is a self-"),
+        (lambda nb: nb.cells[2].metadata.pop("tags"), "not tagged 'raises-exception'"),
+        (lambda nb: nb.cells[1].metadata.pop("jupyter"), "does not start collapsed"),
+        (lambda nb: nb.cells.pop(2), "cell 1 is a solution cell not followed by its self-check"),
+        (
+            lambda nb: nb.cells[2].metadata["nbgrader"].update(grade_id="04_ex-solution-1"),
+            "grade_id '04_ex-solution-1' is used by 2 cells",
+        ),
+        (
+            lambda nb: setattr(nb.cells[1], "source", "def f():\n    return 1"),
+            "cell 1 carries nbgrader metadata but is neither",
+        ),
+    ],
+)
+def test_exercise_problems_are_reported(notebook_writer, tmp_path, change, problem):
+    _, nb = _exercise(notebook_writer, tmp_path)
+    change(nb)
+    problems = notebook_problems(nb)
+    assert any(p.startswith(problem) or problem in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        (CHECK, True),
+        ('check("x", t, hint="h");', True),
+        ('mgpu_helpers.check("x", t, "h")', True),
+        ("def t():\n    check_all()\n", False),
+        ('print("check(")', False),
+        ("%time\n_ = check(\n", True),  # a half-typed cell falls back to the text
+    ],
+)
+def test_is_self_check_cell(source, expected):
+    assert is_self_check_cell(nbformat.v4.new_code_cell(source)) is expected
+
+
+def test_mgpu_clean_with_paths_needs_no_lessons_folder(notebook_writer, tmp_path, monkeypatch):
+    path = notebook_writer(tmp_path / "anywhere" / "x.ipynb", [("code", SOLUTION)])
+    monkeypatch.chdir(tmp_path)  # no notebooks/ here
+    assert cli.main(["clean", str(path)]) == 0
+    assert nbformat.read(path, as_version=4).cells[0].metadata["nbgrader"]["solution"] is True

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import io
+from pathlib import Path
 
 import nbformat
 import pytest
 
-from mgpu_helpers.student import BEGIN, END, make_student_edition, strip_solutions
+from mgpu_helpers import cli
+from mgpu_helpers.notebooks import find_lessons
+from mgpu_helpers.student import (
+    BEGIN,
+    END,
+    STUDENT_FILES,
+    make_student_copy,
+    make_student_edition,
+    strip_solutions,
+)
 
 SOLVED = f"""\
 def scale(x, k):
@@ -149,3 +159,62 @@ def test_make_student_edition_of_several_notebooks(tmp_path):
     out = make_student_edition(paths, tmp_path / "nested" / "student")
     assert [p.name for p in out] == ["01_a.ipynb", "02_b.ipynb"]
     assert all(p.exists() for p in out)
+
+
+# --- the student copy of the whole course (`make student`) ---------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_make_student_copy_is_the_course_with_student_notebooks(tmp_path):
+    lessons = find_lessons(ROOT / "notebooks")
+    out = make_student_copy(ROOT, tmp_path / "handout", lessons)
+    for name in STUDENT_FILES:
+        assert (out / name).exists(), f"the student copy lacks {name}"
+    assert (out / "mgpu_helpers" / "exercises.py").read_text() == (
+        ROOT / "mgpu_helpers" / "exercises.py"
+    ).read_text()
+    assert not list(out.rglob("__pycache__"))
+    assert not (out / "tests").exists() and not (out / "grading").exists()
+    written = sorted(p.name for p in (out / "notebooks").iterdir())
+    assert written == [p.name for p in lessons]
+    for path in (out / "notebooks").iterdir():
+        text = path.read_text()
+        assert BEGIN not in text and "raise NotImplementedError()" in text
+    assert list((out / "data").iterdir()) == [out / "data" / "README.md"]
+
+
+def test_make_student_copy_replaces_its_own_copy_and_nothing_else(tmp_path):
+    lessons = find_lessons(ROOT / "notebooks")[:1]
+    out = make_student_copy(ROOT, tmp_path / "copy", lessons)
+    (out / "notebooks" / "99_stale.ipynb").write_text("{}")
+    make_student_copy(ROOT, out, lessons)  # the next `make student`
+    assert not (out / "notebooks" / "99_stale.ipynb").exists()
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("keep me")
+    with pytest.raises(ValueError, match="not empty and holds no student copy"):
+        make_student_copy(ROOT, mine, lessons)
+    assert (mine / "thesis.tex").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("inside", ["", "notebooks", "mgpu_helpers/x", "docs"])
+def test_make_student_copy_refuses_to_write_into_the_course(inside):
+    with pytest.raises(ValueError, match="is part of the course itself"):
+        make_student_copy(ROOT, ROOT / inside, find_lessons(ROOT / "notebooks"))
+
+
+def test_make_student_copy_needs_the_course_files(tmp_path):
+    lesson = tmp_path / "notebooks" / "01_a.ipynb"
+    lesson.parent.mkdir()
+    _lesson(lesson)
+    with pytest.raises(ValueError, match="lacks mgpu_helpers, pyproject.toml"):
+        make_student_copy(tmp_path, tmp_path / "out", [lesson])
+
+
+def test_mgpu_student_writes_the_copy(tmp_path, capsys):
+    out = tmp_path / "student"
+    assert cli.main(["student", "--notebooks", str(ROOT / "notebooks"), "--out", str(out)]) == 0
+    assert (out / "Makefile").exists() and (out / "notebooks" / "00_setup.ipynb").exists()
+    assert f"wrote the student copy of {ROOT} to {out}" in capsys.readouterr().out
