@@ -1,36 +1,84 @@
 #!/usr/bin/env bash
-# The GPU check, in one run of under 8 minutes: the environment report, every GPU-marked test,
-# and the GPU benchmarks. Meant for a machine with a GPU whose own Python already has torch
-# (the package is used from this source tree through PYTHONPATH, nothing is installed).
+# The GPU check, in one run of under 8 minutes: the environment report, every lesson in quick
+# mode, every GPU-marked test, and the GPU benchmarks. Meant for a machine with a GPU whose own
+# Python already has torch (the package is used from this source tree through PYTHONPATH,
+# nothing is installed). The Jupyter stack is optional: without it each lesson's code cells run
+# as a script, with a small stand-in for the kernel (scripts/lesson_as_script.py says how).
 #
 #   bash scripts/gpu_check.sh [RESULTS_DIR]     (default: benchmarks/results/<date>-<gpu>)
 #
-# Everything printed is also written to RESULTS_DIR; commit that folder.
+# Time. Each step has a limit, and the whole run a budget (GPU_CHECK_BUDGET, default 450 s):
+# a step gets at most what is left of it, and one that would start with less than 20 s left is
+# skipped (and counts as a failure). The lessons run right after the environment report, so
+# that a failing or slow step cannot keep them from running; each lesson gets LESSON_TIMEOUT
+# seconds (default 90). A failing step or lesson does not stop the others; the exit status is 0
+# only when every step passed.
+#
+# Results (everything printed is also kept there; commit the folder):
+#   RESULTS_DIR/steps.txt                 each step's exit status (or "skipped") and seconds
+#   RESULTS_DIR/<step>.txt                each step's output: doctor, lessons, gpu_tests,
+#                                         loop_overhead, launch_overhead, pipeline
+#   RESULTS_DIR/<benchmark>.json          the benchmarks' measurements
+#   RESULTS_DIR/lessons/summary.json      the lessons' mode (kernel or script), the modules this
+#                                         Python has or lacks, and per lesson: status, seconds,
+#                                         recorded results, self-checks, failing cell and error
+#   RESULTS_DIR/lessons/NN_name/          one lesson: output.log (all it printed, with a
+#                                         "=== cell N" line before each cell and the failing
+#                                         cell's traceback), lesson.json, figures/cellNNN-K.png,
+#                                         and NN_name.py + displays.json (script mode) or the
+#                                         executed NN_name.ipynb (kernel mode)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+budget=${GPU_CHECK_BUDGET:-450}
+lesson_timeout=${LESSON_TIMEOUT:-90}
+deadline=$((SECONDS + budget))
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr -c 'A-Za-z0-9\n' '-')
 out=${1:-benchmarks/results/$(date +%Y-%m-%d)-${gpu:-nogpu}}
 mkdir -p "$out"
+: >"$out/steps.txt"
 status=0
-step() {  # step NAME COMMAND...: run, show, keep the output, remember failures
-  local name=$1; shift
-  echo "== $name: $*"
-  "$@" 2>&1 | tee "$out/$name.txt"
+
+step() {  # step NAME LIMIT COMMAND...: run within LIMIT s (less if the budget is short), keep the output
+  local name=$1 limit=$2; shift 2
+  local left=$((deadline - SECONDS - 10))  # 10 s for `timeout -k` to kill a step that hangs on
+  if [ "$left" -lt 20 ]; then
+    echo "== $name skipped: the ${budget} s budget is spent" | tee "$out/$name.txt"
+    echo "$name skipped (budget spent)" >>"$out/steps.txt"
+    status=1
+    return
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
+  echo "== $name (at most ${limit} s): $*"
+  local start=$SECONDS
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$out/$name.txt"
   local rc=${PIPESTATUS[0]}
-  echo "== $name exited $rc"
+  [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ] || echo "== $name ran past its ${limit} s limit" | tee -a "$out/$name.txt"
+  echo "== $name exited $rc after $((SECONDS - start)) s"
+  echo "$name exited $rc after $((SECONDS - start)) s" >>"$out/steps.txt"
   [ "$rc" -eq 0 ] || status=1
 }
-step doctor timeout 120 "$PY" -m mgpu_helpers.cli doctor
+
+step doctor 60 "$PY" -m mgpu_helpers.cli doctor
+# The lessons' own cap leaves 25 s of the step's limit for the runner's environment report and
+# for stopping a lesson that runs late (SIGTERM, then SIGKILL 15 s later).
+lessons_limit=$((deadline - SECONDS - 90))
+[ "$lessons_limit" -le 300 ] || lessons_limit=300
+[ "$lessons_limit" -ge 60 ] || lessons_limit=60  # then `step` cuts it to what is left, or skips
+step lessons "$lessons_limit" "$PY" scripts/lesson_as_script.py run --quick \
+  --out "$out/lessons" --timeout "$lesson_timeout" --total "$((lessons_limit - 25))" \
+  --mode "${LESSON_MODE:-auto}"
 # The test files whose GPU tests need no Jupyter stack (the notebooks run on the CPU in CI).
-step gpu_tests timeout 240 "$PY" -m pytest -p no:cacheprovider -q -rs -m "gpu or multigpu" \
+step gpu_tests 180 "$PY" -m pytest -p no:cacheprovider -q -rs -m "gpu or multigpu" \
   tests/test_data_parallel.py tests/test_ddp.py tests/test_devices_cli.py \
   tests/test_devices_extra.py tests/test_launch.py tests/test_model_parallel.py \
   tests/test_timing.py tests/test_train.py
-step loop_overhead timeout 150 "$PY" benchmarks/loop_overhead.py --out "$out/loop_overhead.json"
-step launch_overhead timeout 150 "$PY" benchmarks/launch_overhead.py --repeats 5 \
+step loop_overhead 90 "$PY" benchmarks/loop_overhead.py --out "$out/loop_overhead.json"
+step launch_overhead 90 "$PY" benchmarks/launch_overhead.py --repeats 5 \
   --out "$out/launch_overhead.json"
-step pipeline timeout 150 "$PY" benchmarks/pipeline.py --out "$out/pipeline.json"
-echo "results in $out (status $status)"
+step pipeline 90 "$PY" benchmarks/pipeline.py --out "$out/pipeline.json"
+echo "== steps:"
+cat "$out/steps.txt"
+echo "results in $out (status $status, $SECONDS s)"
 exit $status

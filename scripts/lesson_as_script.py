@@ -94,8 +94,14 @@ ROOT = SCRIPTS.parent
 SHIM_DIR = SCRIPTS / "kernel_shim"
 FALLBACK_DIR = SCRIPTS / "kernel_shim_fallback"
 BACKEND = "module://lesson_shim_backend"
-MARKER = "[self-check]"  # mgpu_helpers.exercises.MARKER (checked against it in the tests)
-RESULT_MIME = "application/vnd.mgpu.result+json"  # mgpu_helpers.record.RESULT_MIME (same)
+# Self-check verdicts come as a display of an application/vnd.mgpu... type with a name and a
+# verdict (mgpu_helpers.exercises), or, from older versions of the package, as printed lines
+# "[self-check] PASS name": both are read.
+MARKER = "[self-check]"
+# mgpu_helpers.record.RESULT_MIME (the tests check they agree). Not imported: importing the
+# submodule mgpu_helpers.record in the lesson's process would shadow the function
+# `mgpu_helpers.record` that lessons import from the package.
+RESULT_MIME = "application/vnd.mgpu.result+json"
 MGPU_MIME_PREFIX = "application/vnd.mgpu"
 JUPYTER_STACK = ("nbformat", "nbclient", "jupyter_client", "ipykernel")
 # The lessons' libraries, and what fails without each (reported before the lessons run).
@@ -302,6 +308,11 @@ def lesson_environ(
     env["PYTHONPATH"] = _with_path(env.get("PYTHONPATH"), *first, ROOT)
     if shim:
         env["MPLBACKEND"] = BACKEND
+        # tqdm (4.66+) reads defaults from TQDM_* variables: every bar on one line (no cursor
+        # moves for nested bars), redrawn at most once a second; the log keeps each bar's last
+        # state (see _copy_output).
+        env.setdefault("TQDM_POSITION", "0")
+        env.setdefault("TQDM_MININTERVAL", "1")
     env["PYTHONUNBUFFERED"] = "1"
     if quick is not None:
         env["MGPU_QUICK"] = "1" if quick else "0"
@@ -502,15 +513,29 @@ class LessonResult:
 
 
 def _copy_output(stream: Any, log: Any) -> None:
-    """Copy a child's output to its log line by line, keeping a redrawn line's last state."""
+    """Copy a child's output to its log as plain lines.
+
+    A line redrawn after a carriage return (a progress bar) keeps only its last state, and
+    terminal control sequences (colours, cursor moves) are dropped.
+    """
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    line, carriage = "", False
+    line, carriage, escape = "", False, ""
     fd = stream.fileno()
     while True:
         chunk = os.read(fd, 65536)
         text = decoder.decode(chunk, final=not chunk)
         for char in text:
-            if char == "\n":
+            if escape:  # inside ESC [ ... final-byte
+                escape += char
+                csi = escape.startswith("\x1b[")
+                if (csi and len(escape) > 2 and "@" <= char <= "~") or (
+                    not csi and len(escape) == 2
+                ):
+                    escape = ""
+                continue
+            if char == "\x1b":
+                escape = char
+            elif char == "\n":
                 log.write(line + "\n")
                 line, carriage = "", False
             elif char == "\r":
@@ -565,7 +590,8 @@ def _run_child(
             except subprocess.TimeoutExpired:
                 _kill_group(proc.pid, signal.SIGKILL)
                 proc.wait()
-        _kill_group(proc.pid, signal.SIGKILL)  # ranks or helpers the lesson left behind
+        finally:  # also when the runner itself is stopped: no lesson outlives it
+            _kill_group(proc.pid, signal.SIGKILL)  # ranks or helpers the lesson left behind
         copier.join(timeout=10)
     return proc.returncode, time.perf_counter() - start, timed_out
 
@@ -676,46 +702,29 @@ def run_one(
     return result
 
 
-_PROBE = r"""
-import importlib, importlib.metadata, json, sys
-names, dists = json.loads(sys.argv[1]), {"sklearn": "scikit-learn", "IPython": "ipython"}
-found = {}
-for name in names:
-    try:
-        module = importlib.import_module(name)
-    except Exception as exc:
-        found[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        continue
-    try:
-        version = importlib.metadata.version(dists.get(name, name))
-    except Exception:
-        version = str(getattr(module, "__version__", "?"))
-    found[name] = {"ok": True, "version": version}
-if found.get("torch", {}).get("ok"):
-    import torch
-    found["torch"]["cuda_build"] = torch.version.cuda
-    found["torch"]["gpus"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
-print(json.dumps(found))
-"""
+_DISTRIBUTIONS = {"sklearn": "scikit-learn", "IPython": "ipython"}
 
 
-def environment_report(env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
-    """Which of the lessons' libraries import in a fresh process of this Python, and versions."""
-    env = dict(env if env is not None else os.environ)
-    env["PYTHONPATH"] = _with_path(env.get("PYTHONPATH"), ROOT)
-    proc = subprocess.run(
-        [sys.executable, "-c", _PROBE, json.dumps(list(LIBRARIES))],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
-    try:
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        error = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {name: {"ok": False, "error": f"the probe failed: {error}"} for name in LIBRARIES}
+def environment_report() -> dict[str, dict[str, Any]]:
+    """Which of the lessons' libraries this Python has, and their versions.
+
+    Found on the path and in the installed metadata, without importing them (importing torch,
+    scikit-learn and torchvision takes seconds); a library that is installed but broken shows
+    up as the failing lesson's ImportError.
+    """
+    import importlib.metadata
+
+    found: dict[str, dict[str, Any]] = {}
+    for name in LIBRARIES:
+        if not _importable(name):
+            found[name] = {"ok": False, "error": "not installed"}
+            continue
+        try:
+            version = importlib.metadata.version(_DISTRIBUTIONS.get(name, name))
+        except importlib.metadata.PackageNotFoundError:
+            version = "(version unknown)"
+        found[name] = {"ok": True, "version": version}
+    return found
 
 
 def _print_environment(found: dict[str, dict[str, Any]]) -> None:
@@ -723,10 +732,7 @@ def _print_environment(found: dict[str, dict[str, Any]]) -> None:
     for name, why in LIBRARIES.items():
         info = found.get(name, {})
         if info.get("ok"):
-            extra = ""
-            if name == "torch":
-                extra = f", CUDA build {info.get('cuda_build')}, {info.get('gpus')} GPU(s)"
-            print(f"  {name:<15} {info.get('version')}{extra}")
+            print(f"  {name:<15} {info.get('version')}")
         else:
             print(f"  {name:<15} MISSING ({info.get('error', '?')}); needed for: {why}")
 
@@ -756,7 +762,7 @@ def run_lessons(
 ) -> list[LessonResult]:
     """Run every lesson in order (a failure does not stop the next) and write summary.json."""
     out_root.mkdir(parents=True, exist_ok=True)
-    found = environment_report(lesson_environ(dict(os.environ), quick=quick, shim=False))
+    found = environment_report()
     _print_environment(found)
     have_jupyter = all(found.get(n, {}).get("ok") for n in JUPYTER_STACK)
     if mode == "auto":
@@ -779,6 +785,7 @@ def run_lessons(
         flush=True,
     )
     results: list[LessonResult] = []
+    summary: dict[str, Any] = {"passed": 0}
     start = time.perf_counter()
     for number, notebook in enumerate(notebooks, start=1):
         left = total - (time.perf_counter() - start)
@@ -801,17 +808,17 @@ def run_lessons(
             )
         _print_result(result)
         results.append(result)
-    summary = {
-        "mode": mode,
-        "quick": quick,
-        "timeout_per_lesson_s": timeout,
-        "total_cap_s": total,
-        "python": sys.version.split()[0],
-        "environment": found,
-        "passed": sum(r.status == "passed" for r in results),
-        "lessons": [asdict(r) for r in results],
-    }
-    _write_json(out_root / "summary.json", summary)
+        summary = {  # written after every lesson: a runner stopped midway leaves what it did
+            "mode": mode,
+            "quick": quick,
+            "timeout_per_lesson_s": timeout,
+            "total_cap_s": total,
+            "python": sys.version.split()[0],
+            "environment": found,
+            "passed": sum(r.status == "passed" for r in results),
+            "lessons": [asdict(r) for r in results],
+        }
+        _write_json(out_root / "summary.json", summary)
     print(
         f"lessons: {summary['passed']} of {len(results)} passed ({mode} mode); "
         f"summary in {out_root / 'summary.json'}",
@@ -844,6 +851,10 @@ def _print_result(r: LessonResult) -> None:
             "  last lines of output.log:\n"
             + "".join(f"    | {line}" for line in tail.splitlines(keepends=True))
         )
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through _run_child, which stops the lesson
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -887,6 +898,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout=args.timeout,
             params=_parse_params(args.param),
         )
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     notebooks = args.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     if not notebooks:
         raise SystemExit(f"no lesson notebooks (NN_name.ipynb) in {ROOT / 'notebooks'}")
