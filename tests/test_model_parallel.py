@@ -278,3 +278,40 @@ def test_memory_of_a_split_model_is_reported_per_stage_even_on_one_device() -> N
     total = memory_by_device(whole, optimizer_slots=1, sample=x)["cpu"]
     for key in total:
         assert sum(r[key] for r in report.values()) == total[key]
+
+
+def test_each_stage_sends_right_after_its_own_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The order that keeps two GPUs overlapping (lesson 05, section 4.1): the stage that
+    computed an activation (or an input's gradient) issues its transfer at once, from its own
+    thread, before its next piece of work; a copy issued by the receiver would queue behind
+    the sender's later work on a GPU. Shown on the CPU by logging each thread's calls."""
+    import threading
+
+    from mgpu_helpers import model_parallel
+
+    log: dict[int, list[str]] = {}
+
+    def note(what: str) -> None:
+        log.setdefault(threading.get_ident(), []).append(what)
+
+    real_send = model_parallel._send
+
+    def send(t, dst, streams):
+        note("send")
+        return real_send(t, dst, streams)
+
+    monkeypatch.setattr(model_parallel, "_send", send)
+    torch.manual_seed(0)
+    split = split_sequential(mlp(64, hidden=32, depth=4), [3, 6], ["cpu"] * 3)
+    for s, stage in enumerate(split.stages):
+        stage.register_forward_hook(lambda *_, s=s: note(f"F{s}"))
+        stage.register_full_backward_pre_hook(lambda *_, s=s: note(f"B{s}"))
+    opt = torch.optim.SGD(split.parameters(), lr=0.1)
+    x, y = data(16)
+    pipeline_step(split, opt, x, y, 4)
+    per_stage = sorted(log.values(), key=lambda calls: calls[0])  # F0..., F1..., F2...
+    assert per_stage == [
+        ["F0", "send"] * 4 + ["B0"] * 4,  # the first stage sends no gradient back
+        ["F1", "send"] * 4 + ["B1", "send"] * 4,
+        ["F2"] * 4 + ["B2", "send"] * 4,  # the last stage computes the loss, sends no output
+    ]
