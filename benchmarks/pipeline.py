@@ -19,7 +19,9 @@ one device to share and the ideal is 1.0. On the CPU every stage thread gets one
 Variants take turns within each repeat (the order alternates), each timing covers --steps
 steps with every device synchronised at both ends, and the table shows the median over the
 repeats. Before timing, the script checks that a pipelined step changes the weights exactly as
-the naive step does.
+the naive step does. The overlap column reads each pipelined step's timeline: how long before
+stage 0's last forward ended stage 1 began its first (positive: the two stages worked at the
+same time; on two GPUs a value <= 0 for M >= 2 means the schedule serialised).
 
     PYTHONPATH=. python benchmarks/pipeline.py                     # devices from the course plan
     PYTHONPATH=. python benchmarks/pipeline.py --devices cuda:0,cuda:1 --micro 1 2 4 8 16
