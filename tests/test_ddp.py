@@ -27,6 +27,9 @@ def test_ddp_on_n_ranks_equals_one_process_on_the_whole_batch(world_size: int) -
     per_rank = 4
     results = launch(ddp_step_worker, world_size, 3, per_rank, device="cpu", echo=False)
     reference = reference_steps(3, per_rank * world_size)
+    # every rank seeded differently (seed + rank): DDP's wrap made rank 0's weights everyone's
+    assert not torch.equal(results[1]["before_wrap"], results[0]["before_wrap"])
+    assert all(torch.equal(r["after_wrap"], results[0]["before_wrap"]) for r in results)
     for r in results:
         for name, value in reference["params"].items():
             torch.testing.assert_close(r["params"][name], value, msg=f"parameter {name}")
@@ -87,6 +90,31 @@ def test_throughput_worker_returns_a_rate() -> None:
     cfg = LessonConfig(batch_size=16, model="mlp", quick=True, progress=False)
     rates = launch(throughput_worker, 2, cfg, 3, device="cpu", echo=False)
     assert rates[0] == rates[1] > 0
+
+
+def alone_then_together(env: DistEnv, cfg_1: LessonConfig, cfg_n: LessonConfig) -> dict:
+    """Lesson 04, section 8: rank 0 alone in its own group, then every rank; same processes."""
+    alone = dist.new_group([0])
+    threads = torch.get_num_threads()
+    solo = throughput_worker(env, cfg_1, 2, group=alone) if env.rank == 0 else None
+    dist.barrier()
+    together = throughput_worker(env, cfg_n, 2)
+    return {"solo": solo, "together": together, "threads": (threads, torch.get_num_threads())}
+
+
+def test_throughput_of_one_rank_and_of_all_in_one_launch() -> None:
+    cfg = LessonConfig(model="mlp", quick=True, progress=False)
+    results = launch(
+        alone_then_together,
+        2,
+        cfg.replace(batch_size=8),
+        cfg.replace(batch_size=16),
+        device="cpu",
+        echo=False,
+    )
+    assert results[0]["solo"] > 0 and results[1]["solo"] is None
+    assert results[0]["together"] == results[1]["together"] > 0
+    assert all(r["threads"][0] == r["threads"][1] for r in results)  # like for like
 
 
 @pytest.mark.parametrize(("b", "n", "ok"), [(64, 2, 32), (63, 2, None), (10, 3, None)])

@@ -1,0 +1,82 @@
+"""Lesson 04, sections 5.1-5.2: BatchNorm breaks "N ranks x b = one process x N*b";
+SyncBatchNorm restores it, on GPU modules only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mgpu_helpers.ddp import ddp_step_worker, has_batch_norm, reference_steps, step_model
+from mgpu_helpers.devices import gpu_count
+from mgpu_helpers.launch import WorkerError, launch
+
+
+def test_step_models_with_and_without_batch_norm() -> None:
+    assert not has_batch_norm(step_model("cnn"))
+    assert has_batch_norm(step_model("resnet"))
+    with pytest.raises(ValueError, match="choose 'cnn' or 'resnet'"):
+        step_model("vit")
+
+
+def test_batch_norm_under_ddp_is_not_one_process_on_the_whole_batch() -> None:
+    world_size, per_rank, steps = 2, 16, 2
+    results = launch(
+        ddp_step_worker, world_size, steps, per_rank, 0, "resnet", device="cpu", echo=False
+    )
+    reference = reference_steps(steps, per_rank * world_size, 0, "resnet")
+    pairs = zip(results[0]["first_grads"], reference["first_grads"], strict=True)
+    gap = max((g - g_ref).abs().max().item() for g, g_ref in pairs)
+    assert gap > 1e-3, f"BatchNorm's gradients should differ from the full batch's, gap {gap:.1e}"
+    # statistics per rank: after step 1 each rank's running mean is 0.1 x its own batch mean,
+    # and the ranks' average is the full batch's
+    own = [r["bn_leaving"][0] for r in results]
+    torch.testing.assert_close(torch.stack(own).mean(dim=0), reference["bn_leaving"][0])
+    assert not torch.allclose(own[0], reference["bn_leaving"][0])
+    assert not torch.equal(own[0], own[1])
+    # DDP broadcasts rank 0's buffers as each training forward starts
+    assert all(torch.equal(r["bn_entering"][1], own[0]) for r in results)
+
+
+def test_sync_batch_norm_is_refused_on_the_cpu() -> None:
+    with pytest.raises(WorkerError, match="SyncBatchNorm") as caught:
+        launch(ddp_step_worker, 2, 1, 4, 0, "resnet", True, device="cpu", echo=False, timeout=30)
+    assert "GPU" in caught.value.details.strip().splitlines()[-1]
+
+
+@pytest.mark.gpu
+def test_sync_batch_norm_under_ddp_equals_one_device_on_the_whole_batch() -> None:
+    world_size, per_rank, steps = 2, 16, 3
+    sharing = gpu_count() < world_size  # one GPU: both ranks on cuda:0, over gloo
+    results = launch(
+        ddp_step_worker,
+        world_size,
+        steps,
+        per_rank,
+        0,
+        "resnet",
+        True,
+        device="cuda",
+        share_gpus=sharing,
+        echo=False,
+    )
+    reference = reference_steps(steps, per_rank * world_size, 0, "resnet")  # CPU, float32
+    tol = {"rtol": 1e-3, "atol": 1e-4}  # TF32 off in the ranks; GPU kernels sum in another order
+    for r in results:
+        for g, g_ref in zip(r["first_grads"], reference["first_grads"], strict=True):
+            torch.testing.assert_close(g, g_ref, **tol)
+        for name, value in reference["params"].items():  # running statistics included
+            torch.testing.assert_close(r["params"][name].float(), value.float(), **tol, msg=name)
+    # and plain BatchNorm on the same GPUs does differ: the test can tell the two apart
+    plain = launch(
+        ddp_step_worker,
+        world_size,
+        steps,
+        per_rank,
+        0,
+        "resnet",
+        device="cuda",
+        share_gpus=sharing,
+        echo=False,
+    )
+    pairs = zip(plain[0]["first_grads"], reference["first_grads"], strict=True)
+    assert max((g - g_ref).abs().max().item() for g, g_ref in pairs) > 1e-3
