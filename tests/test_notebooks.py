@@ -8,6 +8,8 @@ failing and saying the exercise is not implemented yet. Committed notebooks must
 from __future__ import annotations
 
 import copy
+import os
+import re
 from pathlib import Path
 
 import nbformat
@@ -15,7 +17,7 @@ import pytest
 
 from mgpu_helpers.course import run_lesson
 from mgpu_helpers.exercises import VERDICT_MIME
-from mgpu_helpers.notebooks import find_lessons, notebook_problems
+from mgpu_helpers.notebooks import find_lessons, notebook_problems, parameters_cell_index
 from mgpu_helpers.student import BEGIN, make_student_edition, strip_solutions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,3 +96,94 @@ def test_student_edition_has_no_solutions_left(tmp_path: Path) -> None:
     for student in make_student_edition(LESSONS, tmp_path):
         assert BEGIN not in student.read_text()
         assert "raise NotImplementedError()" in student.read_text()
+
+
+# --- every setting a lesson's parameters cell offers ------------------------------------------
+
+# Each DATASET and each MODEL a lesson offers, at least once (the default run above covers the
+# defaults). Pairs are chosen so each run changes a code path: a data set read from files, the
+# ResNet with batch normalisation, the MLP. CIFAR-10 and FashionMNIST are small files in the real
+# format written by the tests (fake_data.py), found through MGPU_DATA, as a learner's downloads
+# would be in data/.
+SETTINGS = {
+    "02": [
+        {"DATASET": "fashionmnist", "MODEL": "mlp"},
+        {"DATASET": "cifar10"},  # MODEL "auto": the ResNet
+        {"DATASET": "synthetic", "MODEL": "cnn"},
+        {"DATASET": "digits", "MODEL": "resnet"},
+    ],
+    "03": [
+        {"DATASET": "fashionmnist", "MODEL": "mlp"},
+        {"DATASET": "cifar10", "MODEL": "cnn"},
+        {"DATASET": "synthetic", "MODEL": "mlp"},
+    ],
+    "04": [
+        {"DATASET": "fashionmnist", "MODEL": "mlp"},
+        {"DATASET": "cifar10"},  # MODEL "auto": the ResNet, with batch normalisation
+        {"DATASET": "synthetic", "MODEL": "cnn"},
+        {"DATASET": "digits", "MODEL": "resnet"},
+    ],
+    "05": [{"DATASET": "fashionmnist"}, {"DATASET": "cifar10"}, {"DATASET": "synthetic"}],
+}
+SETTING_CASES = [
+    pytest.param(path, params, id=f"{path.stem[:2]}-" + "-".join(map(str, params.values())))
+    for path in LESSONS
+    for params in SETTINGS.get(path.stem[:2], [])
+]
+
+
+@pytest.fixture(scope="module")
+def offline_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A data folder with CIFAR-10 and FashionMNIST files, and the environment that finds it."""
+    from fake_data import write_cifar10, write_fashionmnist, write_md5_bypass
+
+    root = tmp_path_factory.mktemp("data")
+    # Sizes that do not divide by 2 or 3 ranks: evaluation must count every sample once.
+    write_fashionmnist(root, n_train=301, n_test=101, learnable=True)
+    write_cifar10(root, per_batch=61, n_test=101, learnable=True)
+    site = write_md5_bypass(tmp_path_factory.mktemp("site")).parent
+    pythonpath = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH", "")]))
+    return {"MGPU_DATA": str(root), "PYTHONPATH": pythonpath}
+
+
+def test_every_setting_is_covered() -> None:
+    """Each DATASET and MODEL value named in a lesson's parameters cell has a settings run."""
+    for path in LESSONS:
+        nb = nbformat.read(path, as_version=4)
+        offered = parameter_choices(nb.cells[parameters_cell_index(nb)].source)
+        covered: dict[str, set[str]] = {}
+        for params in [{}, *SETTINGS.get(path.stem[:2], [])]:
+            for name, value in params.items():
+                covered.setdefault(name, set()).add(value)
+        for name, values in offered.items():
+            default = values[0]
+            missing = set(values) - covered.get(name, set()) - {default}
+            assert not missing, f"{path.name}: no settings run with {name} in {sorted(missing)}"
+
+
+def parameter_choices(source: str) -> dict[str, list[str]]:
+    """``NAME = "x"  # "x" ..., "y" or "z"`` -> {NAME: ["x", "y", "z"]} for DATASET and MODEL."""
+    choices = {}
+    for line in source.splitlines():
+        name, _, rest = line.partition("=")
+        name = name.strip()
+        if name not in ("DATASET", "MODEL"):
+            continue
+        value, _, comment = rest.partition("#")
+        default = value.strip().strip("\"'")
+        quoted = re.findall(r'"([a-z0-9]+)"', comment)
+        choices[name] = [default, *[q for q in quoted if q != default]]
+    return choices
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize(("path", "params"), SETTING_CASES)
+def test_lesson_passes_on_each_setting(
+    path: Path, params: dict, offline_data: dict[str, str], tmp_path: Path, monkeypatch
+) -> None:
+    for name, value in offline_data.items():
+        monkeypatch.setenv(name, value)
+    run = run_lesson(path, tmp_path / "out", quick=True, params=params)
+    assert run.status == "passed", f"{path.name} with {params} failed: {run.error}"
+    failed = [name for name, ok in run.checks.items() if not ok]
+    assert not failed, f"{path.name} with {params}: self-checks fail: {failed}"
