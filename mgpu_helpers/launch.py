@@ -3,33 +3,43 @@
 ``launch(worker, world_size)`` starts ``world_size`` processes with the *spawn* start method
 through this importable module, so it works from a Jupyter kernel even after earlier cells used
 CUDA, and it sends ``worker`` to the children by value (cloudpickle), so a function written in a
-notebook cell works too. Each child gets the usual environment (``RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), joins the process group with
-``dist.init_process_group`` and calls ``worker(env, *args)`` with a :class:`DistEnv`.
+notebook cell works too; its source travels along, so a rank's traceback shows the failing line.
+Each child gets the usual environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``), joins the process group with ``dist.init_process_group`` and
+calls ``worker(env, *args)`` with a :class:`DistEnv`.
 
 The parent hosts the rendezvous store itself on a port the operating system picks (as
 ``torchrun``'s agent does), so launches back to back or side by side never collide. It streams
-the children's output into the caller's (rank 0 as is, so its progress bar draws; other ranks
-prefixed with their rank), keeps a log per rank, returns each rank's return value, and when one
-rank fails it stops the others within seconds and raises :class:`WorkerError` with that rank's
-traceback. Collectives that wait longer than ``timeout`` seconds fail instead of hanging.
+the children's output into the caller's (rank 0's lines as they are and its progress bar drawn
+in place on stdout; other ranks' lines prefixed with their rank), keeps a log per rank, returns
+each rank's return value, and when one rank fails it stops the others within seconds and raises
+:class:`WorkerError` naming the rank that failed first and how (its traceback, or the exit code
+or signal of a process that died without one), with the other ranks' errors as consequences.
+Collectives that wait longer than ``timeout`` seconds fail instead of hanging.
 """
 
 from __future__ import annotations
 
 import datetime
 import gc
+import inspect
+import io
+import linecache
 import multiprocessing as mp
 import os
 import pickle
-import queue as queue_module
 import shutil
+import signal
+import struct
 import sys
 import tempfile
+import threading
 import time
 import traceback
+import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +52,11 @@ __all__ = ["DistEnv", "LaunchPlan", "WorkerError", "launch", "plan_launch"]
 
 _GRACE_SECONDS = 3.0  # how long a stopped rank gets to exit before it is killed
 _POLL_SECONDS = 0.05
+# After the first failure, how long to wait for the other ranks' outcome before deciding who
+# failed first: a survivor's "Connection closed by peer" can arrive before the parent sees the
+# exit of the rank that died.
+_SETTLE_SECONDS = 2.0
+_LOG_TAIL_LINES = 12  # lines of a dead rank's log quoted in the error
 
 
 @dataclass(frozen=True)
@@ -103,12 +118,41 @@ class LaunchPlan:
 
 
 class WorkerError(RuntimeError):
-    """A rank failed; carries its number and its traceback."""
+    """A rank failed: which one failed first, how, and what the other ranks saw (lesson 04).
 
-    def __init__(self, rank: int, details: str) -> None:
+    ``rank`` is the rank that failed first and ``details`` its traceback (or, for a process that
+    died without one, how it ended and the last lines of its log). ``how`` says how it failed
+    ("raised an exception", "exited with code 3", "killed by SIGKILL"), ``exitcode`` is the
+    process's exit code when it died without a traceback (negative: the signal's number),
+    ``collective`` the torch.distributed call it was waiting in, if any, ``log`` its log file,
+    ``others`` the other failed ranks' details (mostly consequences of the first failure) and
+    ``finished`` the ranks that had already returned from the worker.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        details: str,
+        *,
+        how: str = "raised an exception",
+        exitcode: int | None = None,
+        collective: str | None = None,
+        log: Path | None = None,
+        others: dict[int, str] | None = None,
+        finished: tuple[int, ...] = (),
+        summary: str | None = None,
+    ) -> None:
         self.rank = rank
         self.details = details
-        super().__init__(f"rank {rank} failed:\n{details}")
+        self.how = how
+        self.exitcode = exitcode
+        self.collective = collective
+        self.log = log
+        self.others = dict(others or {})
+        self.finished = tuple(finished)
+        head = f"rank {rank} failed:"
+        body = f"{head}\n{details}" if summary is None else f"{summary}\n{details}"
+        super().__init__(body)
 
 
 def plan_launch(
@@ -169,16 +213,150 @@ def _dumps(obj: object) -> bytes:
     return cloudpickle.dumps(obj)
 
 
+def _named_code(args: tuple, filename: str) -> types.CodeType:
+    """Rebuild a code object sent by value under its own file name (see ``_pack``)."""
+    return types.CodeType(*args).replace(co_filename=filename)
+
+
+def _pack(obj: object) -> tuple[bytes, dict[str, list[str]]]:
+    """Pickle ``obj`` like ``_dumps``, keeping the file names of functions sent by value.
+
+    cloudpickle renames the code of every function it sends by value to ``<dynamic-code>``, so a
+    traceback in a rank could not show the failing line. This keeps each code object's own file
+    name and returns, beside the bytes, the source lines of the files a child cannot read (a
+    notebook cell's, which IPython keeps in ``linecache`` under a made-up path).
+    """
+    try:
+        import cloudpickle
+        from cloudpickle import cloudpickle as implementation
+    except ImportError:
+        return pickle.dumps(obj), {}
+    code_reduce = getattr(implementation, "_code_reduce", None)
+    filenames: set[str] = set()
+
+    class _Pickler(cloudpickle.Pickler):
+        def reducer_override(self, item: Any) -> Any:
+            if isinstance(item, types.CodeType) and code_reduce is not None:
+                filenames.add(item.co_filename)
+                return _named_code, (code_reduce(item)[1], item.co_filename)
+            return super().reducer_override(item)
+
+    buffer = io.BytesIO()
+    _Pickler(buffer).dump(obj)
+    sources = {}
+    for name in filenames:
+        lines = linecache.getlines(name)
+        if lines and not os.path.isfile(name):
+            sources[name] = lines
+    return buffer.getvalue(), sources
+
+
+def _check_worker(worker: object, args: tuple, kwargs: dict) -> tuple[bytes, dict[str, list[str]]]:
+    """Pickle the worker and its arguments, or say what to pass instead (before any process)."""
+    if not callable(worker):
+        raise ValueError(
+            f"the worker must be a function that every rank calls as worker(env, *args), got "
+            f"{type(worker).__name__} {_short(worker)}; pass the function itself, for example "
+            "launch(train, 2, cfg), not launch(train(...), 2)"
+        )
+    try:
+        return _pack((worker, args, kwargs))
+    except Exception as exc:
+        raise ValueError(_unpicklable(worker, args, kwargs, exc)) from exc
+
+
+def _short(obj: object, width: int = 60) -> str:
+    text = repr(obj)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _kind(obj: object) -> str:
+    return f"a {type(obj).__module__}.{type(obj).__qualname__}".replace("a builtins.", "a ")
+
+
+def _fails_to_pickle(obj: object) -> bool:
+    try:
+        _pack(obj)
+    except Exception:
+        return True
+    return False
+
+
+def _unpicklable(worker: Any, args: tuple, kwargs: dict, exc: Exception) -> str:
+    """Name what cannot be sent to the ranks: a captured variable or an argument."""
+    name = getattr(worker, "__name__", type(worker).__name__)
+    culprits = []
+    if _fails_to_pickle(worker):
+        target = worker.func if hasattr(worker, "func") else worker  # functools.partial
+        try:
+            captured = inspect.getclosurevars(target)
+            variables = {**captured.globals, **captured.nonlocals}
+        except TypeError:  # not a plain function (a callable object): it is the culprit
+            variables = {}
+        for var, value in variables.items():
+            if not inspect.ismodule(value) and _fails_to_pickle(value):
+                culprits.append(f"it uses `{var}` ({_kind(value)})")
+        what = f"the worker `{name}`"
+    else:
+        for i, value in enumerate(args, start=1):
+            if _fails_to_pickle(value):
+                culprits.append(f"argument {i} ({_kind(value)})")
+        for key, value in kwargs.items():
+            if _fails_to_pickle(value):
+                culprits.append(f"argument {key}= ({_kind(value)})")
+        what = f"the arguments of `{name}`"
+    reason = f": {', '.join(culprits)}," if culprits else ""
+    return (
+        f"launch cannot send {what} to the ranks{reason} which cannot be pickled "
+        f"({type(exc).__name__}: {exc}). Each rank is a new process that receives a copy of the "
+        "worker and its arguments: create locks, open files, sockets, CUDA streams and process "
+        "groups inside the worker, and pass plain values (numbers, strings, paths, tensors, "
+        "dataclasses) as arguments"
+    )
+
+
+class _Channel:
+    """A child's line to the parent: its own pipe, written synchronously.
+
+    Nothing waits in a buffer (as it would in a multiprocessing queue's feeder thread), so a
+    rank that ends abruptly (``os._exit``, SIGKILL) has delivered everything it wrote before.
+    Each message is a length-prefixed pickle.
+    """
+
+    header = struct.Struct("!Q")
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn  # kept alive: it owns the file descriptor
+        self.fd = conn.fileno()
+        self.lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._reset)  # DataLoader workers fork from here
+
+    def _reset(self) -> None:
+        self.lock = threading.Lock()
+
+    def send(self, message: tuple) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self.lock:
+            try:
+                for part in (self.header.pack(len(data)), data):
+                    view = memoryview(part)
+                    while view:
+                        view = view[os.write(self.fd, view) :]
+            except OSError:  # the parent is gone: the log still has everything
+                pass
+
+
 class _Forward:
     """A child's sys.stdout/sys.stderr: every write goes to its log and to the parent."""
 
-    def __init__(self, rank: int, stream: str, channel: Any, log: Any) -> None:
-        self.rank, self.stream, self.channel, self.log = rank, stream, channel, log
+    def __init__(self, stream: str, channel: _Channel, log: Any) -> None:
+        self.stream, self.channel, self.log = stream, channel, log
 
     def write(self, text: str) -> int:
         if text:
             self.log.write(text)
-            self.channel.put(("out", self.rank, self.stream, text))
+            self.log.flush()  # a partial last line must reach the file before an abrupt end
+            self.channel.send(("out", self.stream, text))
         return len(text)
 
     def flush(self) -> None:
@@ -187,15 +365,49 @@ class _Forward:
     def isatty(self) -> bool:
         return False
 
+    def fileno(self) -> int:  # fds 1 and 2 point at the log (faulthandler writes there)
+        return 1 if self.stream == "stdout" else 2
 
-def _entry(rank: int, environ: dict[str, str], payload: bytes, channel: Any, spec: dict) -> None:
+
+def _collective(exc: BaseException | None) -> str | None:
+    """The torch.distributed call an exception (or one it wraps) came from; None if none.
+
+    "" means a communication failure whose call is unknown (for example inside DDP's backward).
+    """
+    dist_error = getattr(dist, "DistError", ())
+    seen: set[int] = set()
+    found = None
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+            if "/torch/distributed/" in frame.filename.replace("\\", "/"):
+                return frame.name
+        text = str(exc)
+        markers = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer")
+        if (dist_error and isinstance(exc, dist_error)) or any(m in text for m in markers):
+            found = ""
+        exc = exc.__cause__ or exc.__context__
+    return found
+
+
+def _entry(
+    rank: int,
+    environ: dict[str, str],
+    payload: bytes,
+    sources: dict[str, list[str]],
+    conn: Connection,
+    spec: dict,
+) -> None:
     """What each child process runs (importable, so the spawn start method can find it)."""
     os.environ.update(environ)  # this rank's RANK, WORLD_SIZE, MASTER_ADDR, ...
+    channel = _Channel(conn)
     log = open(spec["log_dir"] / f"rank{rank}.log", "w", buffering=1)  # noqa: SIM115
     os.dup2(log.fileno(), 1)  # output from C/C++ (NCCL, gloo) lands in the log too
     os.dup2(log.fileno(), 2)
-    sys.stdout = _Forward(rank, "stdout", channel, log)
-    sys.stderr = _Forward(rank, "stderr", channel, log)
+    sys.stdout = _Forward("stdout", channel, log)
+    sys.stderr = _Forward("stderr", channel, log)
+    for filename, lines in sources.items():  # a notebook cell's source, for the tracebacks
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
     failed = False
     try:
         worker, args, kwargs = pickle.loads(payload)
@@ -208,12 +420,14 @@ def _entry(rank: int, environ: dict[str, str], payload: bytes, channel: Any, spe
                 env.backend, timeout=datetime.timedelta(seconds=spec["timeout"])
             )
         result = worker(env, *args, **kwargs)
-        channel.put(("result", rank, _dumps(result)))
-    except BaseException:
+        returned_at = time.time()
+        channel.send(("result", _dumps(result), returned_at))
+    except BaseException as exc:
         failed = True
+        failed_at = time.time()
         details = traceback.format_exc()
-        log.write(details)  # the log keeps every rank's traceback, the caller gets the first
-        channel.put(("error", rank, details))
+        log.write(details)  # the log keeps every rank's traceback
+        channel.send(("error", details, failed_at, _collective(exc)))
     finally:
         if dist.is_available() and dist.is_initialized():
             try:
@@ -223,51 +437,103 @@ def _entry(rank: int, environ: dict[str, str], payload: bytes, channel: Any, spe
         # DDP keeps the gloo group alive in a reference cycle; collect it now, while Python is
         # fully alive, or its worker threads may abort the process at interpreter shutdown.
         gc.collect()
-        sys.stdout.flush()
         log.flush()
     if failed:
-        channel.close()
-        channel.join_thread()  # make sure the traceback reached the parent
-        os._exit(1)
+        os._exit(1)  # every message was written synchronously: nothing is lost
 
 
 class _Printer:
     """Shows the children's output in the parent, a whole line at a time.
 
-    Rank 0's lines appear as they are; a progress-bar redraw (a write that starts with a
-    carriage return) passes straight through so the bar animates in place. Other ranks' lines
-    get a ``[rank k]`` prefix, and their progress bars become lines.
+    Rank 0's lines appear as they are. Its progress bar (writes that return to the line start
+    with a carriage return, as tqdm's do on stderr) is drawn in place on the parent's *stdout*:
+    in JupyterLab stderr is shown as error output, in red, and a bar erased there (tqdm's
+    ``leave=False`` writes carriage returns and spaces) would leave empty red strips. A line
+    printed while the bar is drawn takes its place and the bar is drawn again below it; an erased
+    bar is overwritten by what comes next. Other ranks' lines get a ``[rank k]`` prefix, and
+    their progress bars become lines on stdout. Empty stderr lines are dropped.
     """
 
     def __init__(self, echo: bool) -> None:
         self.echo = echo
         self.partial: dict[tuple[int, str], str] = {}
+        self.bar = ""  # rank 0's bar as drawn now ("" when none, or erased)
+        self.width = 0  # characters on the parent's current stdout line that belong to the bar
+        self.bar_stream = ""  # the stream rank 0's bar writes to
 
     def show(self, rank: int, stream: str, text: str) -> None:
-        if not self.echo:
+        if not self.echo or not text:
             return
-        target = sys.stdout if stream == "stdout" else sys.stderr
-        key = (rank, stream)
-        if rank == 0 and text.startswith("\r") and not self.partial.get(key):
-            target.write(text)
-            target.flush()
+        if rank == 0:
+            self._main(stream, text)
             return
-        buffered = self.partial.get(key, "") + text
-        if rank != 0:
-            buffered = buffered.replace("\r", "\n")
+        key = (rank, "progress") if "\r" in text else (rank, stream)
+        buffered = self.partial.get(key, "") + text.replace("\r", "\n")
         *lines, self.partial[key] = buffered.split("\n")
-        prefix = "" if rank == 0 else f"[rank {rank}] "
         for line in lines:
-            if rank == 0 or line.strip():
-                target.write(f"{prefix}{line}\n")
-        target.flush()
+            if line.strip():
+                self._line(f"[rank {rank}] {line}", "stderr" if key[1] == "stderr" else "stdout")
+
+    def _main(self, stream: str, text: str) -> None:
+        text = text.replace("\x1b[A", "")  # tqdm's cursor-up between nested bars: no terminal
+        key = (0, stream)
+        pending = self.partial.get(key, "")
+        redraw = "\r" in text.replace("\r\n", "\n")
+        ends_bar = text == "\n" and not pending and self.width and stream == self.bar_stream
+        if redraw or ends_bar:
+            self.partial[key] = ""
+            self.bar_stream = stream
+            self._progress(pending + text)
+            return
+        *lines, self.partial[key] = (pending + text).split("\n")
+        for line in lines:
+            self._line(line, stream)
+
+    def _progress(self, text: str) -> None:
+        *ended, current = text.replace("\r\n", "\n").split("\n")
+        for line in ended:
+            shown = line.rsplit("\r", 1)[-1].rstrip()
+            if shown:
+                self._draw(shown)
+            if self.bar:  # a frame followed by a newline stays as a line (tqdm's leave=True)
+                sys.stdout.write("\n")
+                self.bar, self.width = "", 0
+        self._draw(current.rsplit("\r", 1)[-1].rstrip())
+        sys.stdout.flush()
+
+    def _draw(self, shown: str) -> None:
+        self.bar = shown
+        if shown:  # an erased bar ("") stays on screen until the next line overwrites it
+            sys.stdout.write("\r" + shown + " " * (self.width - len(shown)))
+            self.width = max(self.width, len(shown))
+
+    def _line(self, line: str, stream: str) -> None:
+        if stream == "stderr":
+            if line.strip():
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
+            return
+        if self.width:  # the bar's line: overwrite it, then draw the bar again below
+            sys.stdout.write("\r" + line + " " * (self.width - len(line)) + "\n")
+            self.width = 0
+            if self.bar:
+                self._draw(self.bar)
+        else:
+            sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
     def finish(self) -> None:
+        if not self.echo:
+            return
         for (rank, stream), rest in self.partial.items():
-            if rest.strip() and self.echo:
-                target = sys.stdout if stream == "stdout" else sys.stderr
-                target.write(f"{'' if rank == 0 else f'[rank {rank}] '}{rest}\n")
+            if rest.strip():
+                prefix = "" if rank == 0 else f"[rank {rank}] "
+                self._line(prefix + rest, "stderr" if stream == "stderr" else "stdout")
         self.partial.clear()
+        if self.width:  # the last frame stays as a line
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        self.bar, self.width = "", 0
 
 
 def _new_log_dir(keep: int = 20) -> Path:
@@ -307,16 +573,17 @@ def launch(
     the group itself (``dist.init_process_group(env.backend)``, lesson 04) and sets its own
     timeout there (``timeout=datetime.timedelta(seconds=...)``; PyTorch's default is long).
     Logs go to ``log_dir`` (default: a fresh folder under the temp directory's ``mgpu-runs``,
-    which keeps the latest 20 runs).
+    which keeps the latest 20 runs). A worker that is not callable, or that cannot be pickled
+    with its arguments, is refused (ValueError) before any process starts.
     """
     plan = plan_launch(world_size, device, share_gpus=share_gpus, backend=backend)
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    payload, sources = _check_worker(worker, args, kwargs)
     logs = Path(log_dir) if log_dir is not None else _new_log_dir()
     logs.mkdir(parents=True, exist_ok=True)
     if echo:
         print(f"{plan.describe()}; logs in {logs}", flush=True)
-    payload = _dumps((worker, args, kwargs))
     spec = {
         "device_type": plan.device_type,
         "backend": plan.backend,
@@ -336,8 +603,7 @@ def launch(
         wait_for_workers=False,
     )
     ctx = mp.get_context("spawn")
-    channel = ctx.Queue()
-    procs: list[mp.process.BaseProcess] = []
+    ranks: list[_Rank] = []
     printer = _Printer(echo)
     common = {
         "MASTER_ADDR": "127.0.0.1",
@@ -352,60 +618,235 @@ def launch(
             # Passed as an argument, not through os.environ: two launches from two threads
             # must not see each other's variables.
             environ = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            proc = ctx.Process(
-                target=_entry, args=(rank, environ, payload, channel, spec), name=f"mgpu-rank{rank}"
-            )
-            proc.start()
-            procs.append(proc)
-        results = _collect(procs, channel, printer)
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(read_fd, False)
+            state = _Rank(rank, read_fd, logs / f"rank{rank}.log")
+            ranks.append(state)
+            writer = Connection(write_fd, readable=False)
+            try:
+                state.proc = ctx.Process(
+                    target=_entry,
+                    args=(rank, environ, payload, sources, writer, spec),
+                    name=f"mgpu-rank{rank}",
+                )
+                state.proc.start()
+            finally:
+                writer.close()  # the child has its own copy; the pipe ends when the child does
+        _collect(ranks, printer)
     finally:
+        _stop([r.proc for r in ranks if r.proc is not None])
+        for state in ranks:
+            _read(state, printer)  # every rank's last words, before the error is shown
+            state.close()
         printer.finish()
-        _stop(procs)
-        channel.close()
-        channel.cancel_join_thread()
         del store
-    return [results[r] for r in range(world_size)]
+    return [r.result for r in ranks]
 
 
-def _collect(procs: list, channel: Any, printer: _Printer) -> dict[int, Any]:
-    """Wait for every rank's result; raise WorkerError as soon as one rank fails."""
-    results: dict[int, Any] = {}
-    world_size = len(procs)
-    while len(results) < world_size:
+@dataclass
+class _Rank:
+    """What the parent knows about one rank while the launch runs."""
+
+    rank: int
+    fd: int | None  # reading end of the rank's pipe
+    log: Path
+    proc: Any = None
+    buffer: bytearray = field(default_factory=bytearray)
+    result: Any = None
+    returned_at: float | None = None  # when the worker returned (time.time() in the child)
+    error: str | None = None  # its traceback
+    failed_at: float | None = None
+    collective: str | None = None  # the torch.distributed call it failed in ("" unknown)
+    exitcode: int | None = None
+    exited_at: float | None = None  # when the parent saw the process end
+
+    @property
+    def died(self) -> bool:
+        """Ended without a result and without a traceback (os._exit, a signal, a crash)."""
+        return self.exitcode is not None and self.error is None and self.returned_at is None
+
+    @property
+    def settled(self) -> bool:
+        return self.error is not None or self.returned_at is not None or self.exitcode is not None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _read(state: _Rank, printer: _Printer) -> None:
+    """Take in whatever the rank has written so far, without waiting."""
+    header = _Channel.header
+    while state.fd is not None:
         try:
-            message = channel.get(timeout=_POLL_SECONDS)
-        except queue_module.Empty:
-            for rank, proc in enumerate(procs):
-                if rank not in results and proc.exitcode is not None:
-                    _drain(channel, printer, results)  # its last words may still be queued
-                    if rank not in results:
-                        raise WorkerError(
-                            rank,
-                            f"the process exited with code {proc.exitcode} without a "
-                            "traceback (killed, out of memory, or os._exit); see its log",
-                        ) from None
-            continue
-        _handle(message, printer, results)
-    return results
+            chunk = os.read(state.fd, 1 << 20)
+        except BlockingIOError:
+            break
+        if not chunk:  # every writer has gone
+            state.close()
+        state.buffer += chunk
+        while len(state.buffer) >= header.size:
+            (size,) = header.unpack_from(state.buffer)
+            if len(state.buffer) < header.size + size:
+                break
+            message = pickle.loads(state.buffer[header.size : header.size + size])
+            del state.buffer[: header.size + size]
+            _handle(state, message, printer)
 
 
-def _handle(message: tuple, printer: _Printer, results: dict[int, Any]) -> None:
-    kind, rank = message[0], message[1]
+def _handle(state: _Rank, message: tuple, printer: _Printer) -> None:
+    kind = message[0]
     if kind == "out":
-        printer.show(rank, message[2], message[3])
+        printer.show(state.rank, message[1], message[2])
     elif kind == "result":
-        results[rank] = pickle.loads(message[2])
+        state.result, state.returned_at = pickle.loads(message[1]), message[2]
     elif kind == "error":
-        raise WorkerError(rank, message[2].rstrip())
+        state.error, state.failed_at, state.collective = message[1].rstrip(), *message[2:]
 
 
-def _drain(channel: Any, printer: _Printer, results: dict[int, Any]) -> None:
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
+def _collect(ranks: list[_Rank], printer: _Printer) -> None:
+    """Wait for every rank's result; raise WorkerError soon after one rank fails."""
+    settle_until = None
+    while not all(r.returned_at is not None for r in ranks):
+        pending = [r.proc.sentinel for r in ranks if r.exitcode is None]
+        wait([r.fd for r in ranks if r.fd is not None] + pending, timeout=_POLL_SECONDS)
+        for state in ranks:
+            _read(state, printer)
+            if state.exitcode is None and state.proc.exitcode is not None:
+                _read(state, printer)  # all it wrote before it ended is in the pipe now
+                state.exitcode, state.exited_at = state.proc.exitcode, time.time()
+        if any(r.error is not None or r.died for r in ranks):
+            # Wait a moment for the others' outcome: who failed first is decided on all of it.
+            if settle_until is None:
+                settle_until = time.monotonic() + _SETTLE_SECONDS
+            if all(r.settled for r in ranks) or time.monotonic() > settle_until:
+                raise _failure(ranks)
+
+
+_SIGNAL_CAUSES = {
+    "SIGKILL": "the out-of-memory killer sends SIGKILL, and so does `kill -9`",
+    "SIGSEGV": "a crash in C/C++ code",
+    "SIGBUS": "a crash in C/C++ code, or shared memory (/dev/shm) running out",
+    "SIGABRT": "an abort in C/C++ code, for example NCCL's watchdog after a collective timed out",
+    "SIGTERM": "something outside the launcher stopped it",
+}
+
+
+def _how(exitcode: int) -> tuple[str, str]:
+    """How a process that left no traceback ended, and what usually causes that."""
+    if exitcode < 0:
         try:
-            _handle(channel.get(timeout=0.1), printer, results)
-        except queue_module.Empty:
-            return
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"killed by {name}", _SIGNAL_CAUSES.get(name, "a signal from outside")
+    if exitcode == 0:
+        return "exited with code 0 before returning", "os._exit(0) or sys.exit() in C code"
+    return f"exited with code {exitcode}", "os._exit(), a library calling exit(), or a crash"
+
+
+def _was(how: str) -> str:
+    return f"was {how}" if how.startswith("killed") else how
+
+
+def _log_tail(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").rstrip().splitlines()[-_LOG_TAIL_LINES:]
+    except OSError:
+        return ""
+    return "\n".join(f"    {line}" for line in lines)
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else text
+
+
+def _in(collective: str | None) -> str:
+    return f"a collective ({collective})" if collective else "a collective"
+
+
+def _failure(ranks: list[_Rank]) -> WorkerError:
+    """Name the rank that failed first and how; the others' errors are listed as consequences.
+
+    A rank that died without a traceback (killed, os._exit, a crash) or raised an error of its
+    own outranks the ranks whose collective failed: those lost a peer (for example "Connection
+    closed by peer") or waited for one until the timeout. Among equals, the earliest wins.
+    """
+    own = [(r.exited_at, r.rank) for r in ranks if r.died]
+    own += [(r.failed_at, r.rank) for r in ranks if r.error is not None and r.collective is None]
+    lost = [
+        (r.failed_at, r.rank) for r in ranks if r.error is not None and r.collective is not None
+    ]
+    first = ranks[min(own or lost)[1]]
+    when = first.exited_at if first.died else first.failed_at
+    finished = tuple(
+        r.rank for r in ranks if r.returned_at is not None and r.returned_at <= (when or 0.0)
+    )
+    if first.died:
+        how, cause = _how(first.exitcode)
+        summary = (
+            f"rank {first.rank} failed first: its process {_was(how)} without a Python traceback "
+            f"({cause}); see its log: {first.log}"
+        )
+        tail = _log_tail(first.log)
+        details = (
+            f"{how}; the last lines of its log:\n{tail}" if tail else f"{how}; its log is empty"
+        )
+        exitcode = first.exitcode
+    else:
+        how, details, exitcode = "raised an exception", first.error or "", None
+        if first.collective is not None and finished:
+            done = f"rank{'s' * (len(finished) > 1)} {', '.join(map(str, finished))}"
+            summary = (
+                f"rank {first.rank} failed while waiting in {_in(first.collective)}: {done} "
+                f"had already returned (finished the worker), so never joined it. "
+                f"Every rank must call the same collectives in the same order. Its log: "
+                f"{first.log}"
+            )
+        elif first.collective is not None:
+            summary = f"rank {first.rank} failed in {_in(first.collective)}; its log: {first.log}"
+        else:
+            summary = f"rank {first.rank} failed first; its log: {first.log}"
+    others: dict[int, str] = {}
+    notes = []
+    for r in ranks:
+        if r is first:
+            continue
+        if r.error is not None:
+            others[r.rank] = r.error
+            if r.collective is not None:
+                notes.append(
+                    f"rank {r.rank} failed in {_in(r.collective)} as a consequence: "
+                    f"{_last_line(r.error)}"
+                )
+            else:
+                notes.append(f"rank {r.rank} also failed: {_last_line(r.error)}")
+        elif r.died:
+            other_how, _ = _how(r.exitcode)
+            others[r.rank] = f"{other_how} without a Python traceback; see its log: {r.log}"
+            notes.append(f"rank {r.rank} also ended: {others[r.rank]}")
+        elif r.returned_at is not None:
+            if r.rank not in finished or first.collective is None:
+                notes.append(f"rank {r.rank} {'had already ' * (r.rank in finished)}returned")
+        else:
+            notes.append(f"rank {r.rank} was still running; the launcher stopped it")
+    if notes:
+        summary += "\nthe other ranks:\n" + "\n".join(f"  {note}" for note in notes)
+    if not first.died:
+        summary += f"\nrank {first.rank}'s traceback:"
+    return WorkerError(
+        first.rank,
+        details,
+        how=how,
+        exitcode=exitcode,
+        collective=first.collective,
+        log=first.log,
+        others=others,
+        finished=finished,
+        summary=summary,
+    )
 
 
 def _stop(procs: list) -> None:

@@ -193,6 +193,26 @@ def test_plan_picks_the_backend_from_the_hardware() -> None:
     assert own.backend == ("nccl" if dist.is_nccl_available() else "gloo")
 
 
+def test_a_worker_that_is_not_callable_is_refused_before_anything_starts(capsys) -> None:
+    with pytest.raises(ValueError, match="pass the function itself"):
+        launch(sum([1.0, 2.0]), 2, device="cpu")  # a function's result instead of the function
+    assert "launching" not in capsys.readouterr().out
+    assert rank_children() == []
+
+
+def test_a_worker_that_cannot_be_pickled_is_refused_saying_what_to_pass(tmp_path, capsys) -> None:
+    lock = threading.Lock()
+    with pytest.raises(ValueError, match=r"uses `lock` \(a _thread.lock\).*inside the worker"):
+        launch(lambda env: lock.locked(), 2, device="cpu")
+    with open(tmp_path / "notes.txt", "w") as handle:
+        with pytest.raises(ValueError, match=r"uses `handle` \(a _io.TextIOWrapper\)"):
+            launch(lambda env: handle.write(str(env.rank)), 2, device="cpu")
+    with pytest.raises(ValueError, match=r"argument 1 \(a _thread.lock\).*plain values"):
+        launch(rank_sum, 2, threading.Lock(), device="cpu")
+    assert "launching" not in capsys.readouterr().out
+    assert rank_children() == []
+
+
 def test_launch_rejects_bad_requests_before_starting_anything() -> None:
     with pytest.raises(ValueError, match="timeout"):
         launch(rank_sum, 2, 1.0, device="cpu", timeout=0, echo=False)
@@ -227,6 +247,35 @@ def test_ranks_sharing_one_gpu_over_gloo() -> None:
     assert all(i["device"].startswith("cuda:") for i in infos)
 
 
+class RecordedWrites:
+    """A text stream that keeps each write, as a rank's redirected sys.stderr receives them."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def screen(text: str) -> list[str]:
+    """The lines a terminal or JupyterLab shows: a carriage return goes back to the line start
+    and what follows overwrites the line from there."""
+    shown = []
+    for raw in text.split("\n"):
+        line = ""
+        for part in raw.split("\r"):
+            line = part + line[len(part) :]
+        shown.append(line.rstrip())
+    return shown[:-1] if shown and shown[-1] == "" else shown
+
+
 def test_printer_keeps_lines_whole_and_lets_progress_bars_redraw(capsys) -> None:
     from mgpu_helpers.launch import _Printer
 
@@ -239,8 +288,59 @@ def test_printer_keeps_lines_whole_and_lets_progress_bars_redraw(capsys) -> None
     printer.show(1, "stdout", "unfinished")
     printer.finish()
     captured = capsys.readouterr()
-    assert captured.out == "[rank 1] epoch 0 done on one\nepoch 0 done\n[rank 1] unfinished\n"
-    assert captured.err == "\r 50%|#####     |[rank 1]  50%|#####     |\n"
+    assert "\r 50%|#####     |" in captured.out  # rank 0's bar is drawn in place
+    assert screen(captured.out) == [
+        "[rank 1] epoch 0 done on one",
+        "epoch 0 done",
+        "[rank 1] unfinished",
+        "[rank 1]  50%|#####     |",  # other ranks' bars become lines
+        " 50%|#####     |",  # rank 0's last frame stays as a line
+    ]
+    assert captured.err == ""  # progress is not error output
+
+
+def test_rank0_progress_bar_is_drawn_on_stdout_without_empty_strips(capsys) -> None:
+    """Lesson 04's training launch: a tqdm bar per epoch (leave=False), then a printed line.
+
+    JupyterLab shows stderr in red; a bar erased there left empty red strips between the lines.
+    """
+    from tqdm import tqdm
+
+    from mgpu_helpers.launch import _Printer
+
+    printer = _Printer(echo=True)
+    bar_output = RecordedWrites()
+    for epoch in (1, 2):
+        bar = tqdm(total=4, desc=f"epoch {epoch}", leave=False, file=bar_output, mininterval=0)
+        for _ in range(4):
+            bar.update()
+        bar.close()  # leave=False: carriage returns and spaces erase the bar
+        for text in bar_output.writes:
+            printer.show(0, "stderr", text)
+        bar_output.writes.clear()
+        printer.show(0, "stdout", f"epoch {epoch}: loss 0.5\n")
+    printer.show(0, "stderr", "train.py:3: UserWarning: a real warning\n")
+    printer.show(0, "stderr", "\n")
+    printer.finish()
+    captured = capsys.readouterr()
+    assert captured.err == "train.py:3: UserWarning: a real warning\n"  # only real errors
+    assert "\repoch 2: 100%" in captured.out  # the bar was drawn, in place
+    assert screen(captured.out) == ["epoch 1: loss 0.5", "epoch 2: loss 0.5"]
+
+
+def test_a_line_printed_under_a_running_bar_takes_its_place(capsys) -> None:
+    from mgpu_helpers.launch import _Printer
+
+    printer = _Printer(echo=True)
+    printer.show(0, "stderr", "\r 50%|#####     | 1/2")
+    printer.show(0, "stdout", "halfway\n")
+    printer.show(0, "stderr", "\r100%|##########| 2/2")
+    printer.show(0, "stderr", "\n")  # tqdm's close with leave=True: the bar stays as a line
+    printer.show(0, "stdout", "done\n")
+    printer.finish()
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert screen(captured.out) == ["halfway", "100%|##########| 2/2", "done"]
 
 
 def test_a_failing_rank_leaves_its_traceback_in_its_log(tmp_path) -> None:

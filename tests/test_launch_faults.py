@@ -1,0 +1,126 @@
+"""Fault drills for the launcher (lesson 04): who failed first, last words, tracebacks.
+
+Each scenario runs several times in a row: an attribution that depends on which message happens
+to reach the parent first would show here as a failure in some of the runs.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import signal
+
+import psutil
+import pytest
+import torch.distributed as dist
+
+from mgpu_helpers.launch import DistEnv, WorkerError, launch
+
+REPEATS = 3
+LINES = 300  # enough output that some of it is still in flight when the rank dies
+
+
+def dies_in_a_collective(env: DistEnv, how: str) -> None:
+    """Rank 1 prints, then ends without a traceback while rank 0 waits for it in a barrier."""
+    if env.rank == 1:
+        for i in range(LINES):
+            print(f"line {i + 1} of {LINES}")
+        print("last words, no newline", end="")
+        if how == "exit":
+            os._exit(7)
+        os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer does
+    dist.barrier()
+
+
+def returns_while_rank_0_waits(env: DistEnv) -> int:
+    if env.rank == 0:
+        dist.barrier()  # WRONG: only rank 0 calls it; rank 1 has returned
+    return env.rank
+
+
+def rank_children() -> list[psutil.Process]:
+    left = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.is_running() and "resource_tracker" not in " ".join(p.cmdline()):
+                left.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return left
+
+
+@pytest.mark.parametrize(
+    ("how", "exitcode", "described"),
+    [("exit", 7, "exited with code 7"), ("kill", -9, "was killed by SIGKILL")],
+)
+def test_a_rank_that_dies_in_a_collective_is_named_with_its_exit(
+    how: str, exitcode: int, described: str, capsys, tmp_path
+) -> None:
+    for attempt in range(REPEATS):
+        logs = tmp_path / f"run{attempt}"
+        with pytest.raises(WorkerError) as info:
+            launch(dies_in_a_collective, 2, how, device="cpu", log_dir=logs)
+        error, message = info.value, str(info.value)
+        assert error.rank == 1, f"run {attempt + 1}: blamed rank {error.rank}:\n{message}"
+        assert error.exitcode == exitcode
+        assert message.startswith(f"rank 1 failed first: its process {described}")
+        assert f"see its log: {logs / 'rank1.log'}" in message  # the path, not just "its log"
+        assert error.log == logs / "rank1.log"
+        assert "last words, no newline" in error.details  # the tail of its log
+        assert "\n  rank 0 " in message  # what the survivor saw comes as a consequence
+        out = capsys.readouterr().out
+        # Its last lines before the abrupt end reached the notebook, not only its log.
+        assert f"[rank 1] line {LINES} of {LINES}\n" in out, f"run {attempt + 1}"
+        assert "[rank 1] last words, no newline" in out, f"run {attempt + 1}"
+        assert rank_children() == []
+
+
+def test_a_rank_that_returned_while_another_waits_in_a_collective_is_named() -> None:
+    for attempt in range(REPEATS):
+        with pytest.raises(WorkerError) as info:
+            launch(returns_while_rank_0_waits, 2, device="cpu", echo=False)
+        error, message = info.value, str(info.value)
+        assert error.rank == 0, f"run {attempt + 1}: blamed rank {error.rank}:\n{message}"
+        assert error.finished == (1,)
+        assert error.collective == "barrier"
+        assert "rank 0 failed while waiting in a collective (barrier)" in message
+        assert "rank 1 had already returned" in message
+        assert str(error.log) in message and error.log.name == "rank0.log"  # also with echo=False
+    assert rank_children() == []
+
+
+CELL = """\
+import os
+
+def cell_worker(env):
+    if env.rank == 1:
+        helper_in_the_test_module(env)  # the cell calls a function sent by value
+    return env.rank
+"""
+
+
+def test_tracebacks_show_the_lines_of_notebook_cells_and_functions_sent_by_value() -> None:
+    def helper_in_the_test_module(env: DistEnv) -> None:  # nested: cloudpickle sends it by value
+        raise ValueError(f"helper failed on rank {env.rank}")
+
+    # What IPython does with a cell: compile it under a made-up file name, keep its lines in
+    # linecache, and run it in __main__ (so cloudpickle sends its functions by value).
+    filename = f"/tmp/ipykernel_{os.getpid()}_mgpu_test/123456.py"
+    assert not os.path.exists(filename)
+    linecache.cache[filename] = (len(CELL), None, CELL.splitlines(True), filename)
+    namespace = {"__name__": "__main__", "helper_in_the_test_module": helper_in_the_test_module}
+    try:
+        exec(compile(CELL, filename, "exec"), namespace)
+        with pytest.raises(WorkerError) as info:
+            launch(namespace["cell_worker"], 2, device="cpu", init_process_group=False, echo=False)
+    finally:
+        linecache.cache.pop(filename, None)
+    details = info.value.details
+    assert info.value.rank == 1
+    assert f'File "{filename}", line 5, in cell_worker\n' in details
+    assert (
+        "    helper_in_the_test_module(env)  # the cell calls a function sent by value" in details
+    )
+    assert f'File "{__file__}"' in details
+    assert 'raise ValueError(f"helper failed on rank {env.rank}")' in details
+    assert "<dynamic-code>" not in details
