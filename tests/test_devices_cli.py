@@ -398,11 +398,19 @@ def test_mgpu_course_rejects_a_param_without_value(lessons, fake_course, capsys)
 
 
 def test_mgpu_student_and_clean(lessons, tmp_path, capsys):
+    from mgpu_helpers.student import STUDENT_FILES
+
+    course = Path(cli.__file__).resolve().parents[1]
+    for name in STUDENT_FILES:  # around the lessons: the rest of a course, as `make student` sees
+        source, target = course / name, tmp_path / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(source, target) if source.is_dir() else shutil.copy(source, target)
     out = tmp_path / "student"
     assert cli.main(["student", "--notebooks", str(lessons), "--out", str(out)]) == 0
-    written = sorted(p.name for p in out.iterdir())
+    written = sorted(p.name for p in (out / "notebooks").iterdir())
     assert written == ["00_setup.ipynb", "02_baseline.ipynb", "04_ddp.ipynb"]
-    assert "### BEGIN SOLUTION" not in (out / "04_ddp.ipynb").read_text()
+    assert "### BEGIN SOLUTION" not in (out / "notebooks" / "04_ddp.ipynb").read_text()
+    assert (out / "mgpu_helpers" / "cli.py").exists()  # the whole course, to hand out
     assert cli.main(["clean", "--notebooks", str(lessons)]) == 0
     assert capsys.readouterr().out.count("cleaned ") == 3
     assert cli.main(["clean", "--notebooks", str(lessons)]) == 0
