@@ -237,16 +237,18 @@ def _pack(obj: object) -> tuple[bytes, dict[str, list[str]]]:
     class _Pickler(cloudpickle.Pickler):
         def reducer_override(self, item: Any) -> Any:
             if isinstance(item, types.CodeType) and code_reduce is not None:
-                filenames.add(item.co_filename)
-                return _named_code, (code_reduce(item)[1], item.co_filename)
+                rebuild, args = code_reduce(item)
+                if rebuild is types.CodeType:  # as in cloudpickle 3; otherwise its own way
+                    filenames.add(item.co_filename)
+                    return _named_code, (args, item.co_filename)
             return super().reducer_override(item)
 
     buffer = io.BytesIO()
     _Pickler(buffer).dump(obj)
     sources = {}
     for name in filenames:
-        lines = linecache.getlines(name)
-        if lines and not os.path.isfile(name):
+        lines = [] if os.path.isfile(name) else linecache.getlines(name)
+        if lines:  # a child reads real files itself
             sources[name] = lines
     return buffer.getvalue(), sources
 
