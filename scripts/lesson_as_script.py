@@ -211,8 +211,9 @@ def _header(notebook: Path) -> str:
 # {notebook.name} as a script: its code cells, in order, exported by scripts/lesson_as_script.py
 # (do not edit; export again). Each cell starts with a "# %% [cell N]" line (N: its index in the
 # notebook); IPython syntax (%magics, !commands) became get_ipython() calls, which the kernel
-# shim in scripts/kernel_shim/ runs. Run this file, or `lesson_as_script.py exec` on it: either
-# way the cells run one at a time, like a kernel runs them, in a __main__ without a file.
+# shim in scripts/kernel_shim/ runs. Run this file (from the notebook's folder, as a kernel
+# would; MGPU_QUICK=1 for quick mode), or `lesson_as_script.py exec` on it: either way the
+# cells run one at a time, like a kernel runs them, in a __main__ without a file.
 if __name__ == "__main__":
     import sys
 
@@ -268,7 +269,11 @@ class LessonTimeout(BaseException):
     KeyboardInterrupt, so that a cell's ``except Exception`` does not swallow it)."""
 
 
+_STOPPED: list[bool] = []  # set once the runner's SIGTERM arrived
+
+
 def _on_sigterm(signum: int, frame: object) -> None:
+    _STOPPED.append(True)
     raise LessonTimeout("stopped by the runner: the lesson ran past its time limit")
 
 
@@ -455,8 +460,9 @@ def run_in_kernel(
             "results": run.results,
             "checks": run.checks,
         }
-    except LessonTimeout as exc:
-        report = {"status": "timeout", "error": str(exc), "results": {}, "checks": {}}
+    except BaseException as exc:  # noqa: B036 (nbclient's clean-up may raise something else)
+        status = "timeout" if _STOPPED else "failed"
+        report = {"status": status, "error": f"{type(exc).__name__}: {exc}"}
     executed = out / notebook.name
     if executed.exists():
         report.update(_read_executed(executed, out))
@@ -574,6 +580,7 @@ def _run_child(
             cmd,
             cwd=cwd,
             env=env,
+            stdin=subprocess.DEVNULL,  # input() fails at once instead of waiting forever
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -673,6 +680,9 @@ def run_one(
     )
     result.seconds = round(seconds, 1)
     report = _load_json(out / "exec.json", {})
+    if mode == "kernel" and report.get("traceback"):  # the log ends with it, in both modes
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(f"\n=== the failing cell {report.get('failed_cell')}:\n{report['traceback']}\n")
     displays = _load_json(out / "displays.json", [])
     results, checks = _checks_from(log.read_text(errors="replace"), displays)
     result.results = {**report.get("results", {}), **results}
