@@ -57,6 +57,13 @@ _POLL_SECONDS = 0.05
 # exit of the rank that died.
 _SETTLE_SECONDS = 2.0
 _LOG_TAIL_LINES = 12  # lines of a dead rank's log quoted in the error
+# What gloo and NCCL say when the other end of a collective has gone away.
+_LOST_PEER = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+)
 
 
 @dataclass(frozen=True)
@@ -635,6 +642,7 @@ def launch(
             finally:
                 writer.close()  # the child has its own copy; the pipe ends when the child does
         _collect(ranks, printer)
+        _let_exit(ranks, printer)  # every rank returned: let them clean up before any stop
     finally:
         _stop([r.proc for r in ranks if r.proc is not None])
         for state in ranks:
@@ -769,19 +777,30 @@ def _in(collective: str | None) -> str:
     return f"a collective ({collective})" if collective else "a collective"
 
 
+def _lost_a_peer(error: str) -> bool:
+    """Whether a traceback says its collective failed because another rank went away."""
+    return any(marker in error for marker in _LOST_PEER)
+
+
 def _failure(ranks: list[_Rank]) -> WorkerError:
     """Name the rank that failed first and how; the others' errors are listed as consequences.
 
     A rank that died without a traceback (killed, os._exit, a crash) or raised an error of its
-    own outranks the ranks whose collective failed: those lost a peer (for example "Connection
-    closed by peer") or waited for one until the timeout. Among equals, the earliest wins.
+    own outranks a rank whose collective failed (it timed out, for example), which outranks a
+    rank whose collective lost its peer ("Connection closed by peer": another rank had ended).
+    Within each kind, the earliest wins: the child's clock when it raised, or the parent's when
+    it saw a process end.
     """
+    errors = [r for r in ranks if r.error is not None]
     own = [(r.exited_at, r.rank) for r in ranks if r.died]
-    own += [(r.failed_at, r.rank) for r in ranks if r.error is not None and r.collective is None]
-    lost = [
-        (r.failed_at, r.rank) for r in ranks if r.error is not None and r.collective is not None
+    own += [(r.failed_at, r.rank) for r in errors if r.collective is None]
+    waited = [
+        (r.failed_at, r.rank)
+        for r in errors
+        if r.collective is not None and not _lost_a_peer(r.error or "")
     ]
-    first = ranks[min(own or lost)[1]]
+    lost = [(r.failed_at, r.rank) for r in errors if r.collective is not None]
+    first = ranks[min(own or waited or lost)[1]]
     when = first.exited_at if first.died else first.failed_at
     finished = tuple(
         r.rank for r in ranks if r.returned_at is not None and r.returned_at <= (when or 0.0)
@@ -818,10 +837,14 @@ def _failure(ranks: list[_Rank]) -> WorkerError:
             continue
         if r.error is not None:
             others[r.rank] = r.error
-            if r.collective is not None:
+            if r.collective is not None and _lost_a_peer(r.error):
                 notes.append(
-                    f"rank {r.rank} failed in {_in(r.collective)} as a consequence: "
-                    f"{_last_line(r.error)}"
+                    f"rank {r.rank} failed in {_in(r.collective)} as a consequence (its peer "
+                    f"had gone): {_last_line(r.error)}"
+                )
+            elif r.collective is not None:
+                notes.append(
+                    f"rank {r.rank} also failed in {_in(r.collective)}: {_last_line(r.error)}"
                 )
             else:
                 notes.append(f"rank {r.rank} also failed: {_last_line(r.error)}")
@@ -849,6 +872,22 @@ def _failure(ranks: list[_Rank]) -> WorkerError:
         finished=finished,
         summary=summary,
     )
+
+
+def _let_exit(ranks: list[_Rank], printer: _Printer) -> None:
+    """Wait up to the grace period for ranks that have returned to exit on their own.
+
+    They still leave the process group and release what they hold (tqdm's semaphore, for one);
+    a rank stopped in the middle of that leaves leaked resources behind.
+    """
+    deadline = time.monotonic() + _GRACE_SECONDS
+    while time.monotonic() < deadline:
+        running = [r.proc.sentinel for r in ranks if r.proc.exitcode is None]
+        if not running:
+            return
+        wait([r.fd for r in ranks if r.fd is not None] + running, timeout=_POLL_SECONDS)
+        for state in ranks:
+            _read(state, printer)  # a rank blocked writing to a full pipe could not exit
 
 
 def _stop(procs: list) -> None:
