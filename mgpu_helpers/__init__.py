@@ -31,7 +31,6 @@ _WHERE = {
     "check": "exercises",
     "DistEnv": "launch",
     "WorkerError": "launch",
-    "launch": "launch",
     "build_model": "models",
     "count_parameters": "models",
     "mlp": "models",
@@ -39,7 +38,6 @@ _WHERE = {
     "small_cnn": "models",
     "plot_history": "plots",
     "plot_throughput": "plots",
-    "record": "record",
     "Timing": "timing",
     "measure": "timing",
     "synchronize": "timing",
@@ -51,7 +49,15 @@ _WHERE = {
     "train_epoch": "train",
 }
 
-__all__ = sorted(_WHERE)
+# ``record`` shares its name with its module: once anything imports ``mgpu_helpers.record``, the
+# import system sets the package's attribute ``record`` to that module, and the look-up below is
+# never asked. Binding the function here, after that import, keeps ``from mgpu_helpers import
+# record`` the function everywhere (record.py needs only json and math, so this costs nothing).
+# ``launch`` is the module; its function is imported from it (``from mgpu_helpers.launch import
+# launch``).
+from .record import record as record  # noqa: E402
+
+__all__ = sorted([*_WHERE, "record"])
 
 __version__ = "0.1.0"
 
