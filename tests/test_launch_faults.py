@@ -124,3 +124,39 @@ def test_tracebacks_show_the_lines_of_notebook_cells_and_functions_sent_by_value
     assert f'File "{__file__}"' in details
     assert 'raise ValueError(f"helper failed on rank {env.rank}")' in details
     assert "<dynamic-code>" not in details
+
+
+LOST_PEER = "RuntimeError: [gloo/transport/tcp/pair.cc:561] Connection closed by peer [::1]:5"
+TIMED_OUT = "RuntimeError: [gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 3000ms"
+
+
+def outcome(rank: int, tmp_path, **known):
+    """What the parent knows about a rank when it decides who failed first."""
+    from mgpu_helpers.launch import _Rank
+
+    state = _Rank(rank, None, tmp_path / f"rank{rank}.log")
+    for name, value in known.items():
+        setattr(state, name, value)
+    return state
+
+
+def test_who_failed_first_does_not_depend_on_which_message_arrived_first(tmp_path) -> None:
+    from mgpu_helpers.launch import _failure
+
+    # The survivor's "closed by peer" was raised (t=10.0) before the parent saw the dead rank's
+    # exit (t=10.2): the rank that died still comes first.
+    survivor = outcome(0, tmp_path, error=LOST_PEER, failed_at=10.0, collective="barrier")
+    dead = outcome(1, tmp_path, exitcode=-9, exited_at=10.2)
+    error = _failure([survivor, dead])
+    assert (error.rank, error.how, error.exitcode) == (1, "killed by SIGKILL", -9)
+    assert "rank 0 failed in a collective (barrier) as a consequence" in str(error)
+    # A collective that timed out outranks one that lost its peer a moment earlier (gloo closes
+    # the connection as it reports the timeout).
+    lost = outcome(0, tmp_path, error=LOST_PEER, failed_at=20.0, collective="barrier")
+    waited = outcome(1, tmp_path, error=TIMED_OUT, failed_at=20.01, collective="broadcast")
+    assert _failure([lost, waited]).rank == 1
+    # An error of the rank's own (not in a collective) outranks both.
+    own = outcome(2, tmp_path, error="ValueError: bad batch", failed_at=20.05)
+    error = _failure([lost, waited, own])
+    assert (error.rank, error.collective) == (2, None)
+    assert sorted(error.others) == [0, 1]
