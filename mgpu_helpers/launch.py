@@ -801,6 +801,7 @@ def _failure(ranks: list[_Rank]) -> WorkerError:
     ]
     lost = [(r.failed_at, r.rank) for r in errors if r.collective is not None]
     first = ranks[min(own or waited or lost)[1]]
+    among = " first" if any(r is not first and (r.died or r.error) for r in ranks) else ""
     when = first.exited_at if first.died else first.failed_at
     finished = tuple(
         r.rank for r in ranks if r.returned_at is not None and r.returned_at <= (when or 0.0)
@@ -808,7 +809,7 @@ def _failure(ranks: list[_Rank]) -> WorkerError:
     if first.died:
         how, cause = _how(first.exitcode)
         summary = (
-            f"rank {first.rank} failed first: its process {_was(how)} without a Python traceback "
+            f"rank {first.rank} failed{among}: its process {_was(how)} without a Python traceback "
             f"({cause}); see its log: {first.log}"
         )
         tail = _log_tail(first.log)
@@ -829,7 +830,7 @@ def _failure(ranks: list[_Rank]) -> WorkerError:
         elif first.collective is not None:
             summary = f"rank {first.rank} failed in {_in(first.collective)}; its log: {first.log}"
         else:
-            summary = f"rank {first.rank} failed first; its log: {first.log}"
+            summary = f"rank {first.rank} failed{among}; its log: {first.log}"
     others: dict[int, str] = {}
     notes = []
     for r in ranks:
