@@ -304,8 +304,9 @@ def _unpicklable(worker: Any, args: tuple, kwargs: dict, exc: Exception) -> str:
             variables = {}
         for var, value in variables.items():
             if not inspect.ismodule(value) and _fails_to_pickle(value):
-                culprits.append(f"it uses `{var}` ({_kind(value)})")
+                culprits.append(f"`{var}` ({_kind(value)})")
         what = f"the worker `{name}`"
+        reason = f"it uses {', '.join(culprits)}, which" if culprits else "it"
     else:
         for i, value in enumerate(args, start=1):
             if _fails_to_pickle(value):
@@ -314,9 +315,9 @@ def _unpicklable(worker: Any, args: tuple, kwargs: dict, exc: Exception) -> str:
             if _fails_to_pickle(value):
                 culprits.append(f"argument {key}= ({_kind(value)})")
         what = f"the arguments of `{name}`"
-    reason = f": {', '.join(culprits)}," if culprits else ""
+        reason = ", ".join(culprits) if culprits else "they"
     return (
-        f"launch cannot send {what} to the ranks{reason} which cannot be pickled "
+        f"launch cannot send {what} to the ranks: {reason} cannot be pickled "
         f"({type(exc).__name__}: {exc}). Each rank is a new process that receives a copy of the "
         "worker and its arguments: create locks, open files, sockets, CUDA streams and process "
         "groups inside the worker, and pass plain values (numbers, strings, paths, tensors, "
