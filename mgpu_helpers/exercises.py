@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Callable
 
 from .config import grading_from_env
+from .record import show_tagged
 
 __all__ = ["VERDICT_MIME", "CheckFailed", "check"]
 
@@ -65,14 +66,5 @@ def _run(test: Callable[[], object], grading: bool) -> tuple[bool, str]:
 def _show(name: str, passed: bool, detail: str, hint: str) -> None:
     """Show the verdict once: the line in the notebook, the record beside it for the runner."""
     text = f"PASS  {name}" if passed else f"FAIL  {name}: {detail}\n      hint: {hint}"
-    try:
-        from IPython import get_ipython
-        from IPython.display import display
-    except ImportError:  # plain Python without IPython: just print
-        print(text)
-        return
-    if get_ipython() is None:
-        print(text)
-        return
-    record = {"name": name, "passed": passed, "detail": detail, "hint": hint}
-    display({VERDICT_MIME: record, "text/plain": text}, raw=True)
+    payload = {"name": name, "passed": passed, "detail": detail, "hint": hint}
+    show_tagged(text, VERDICT_MIME, payload)

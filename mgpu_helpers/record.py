@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 
-__all__ = ["RESULT_MIME", "format_value", "record"]
+__all__ = ["RESULT_MIME", "format_value", "record", "show_tagged"]
 
 RESULT_MIME = "application/vnd.mgpu.result+json"
 
@@ -50,6 +50,15 @@ def record(name: str, value: object, unit: str = "") -> None:
     json.dumps(value)  # fail here, with the value at hand, rather than in the report
     text = f"{name} = {format_value(value)}"
     text += f" {unit}" if unit else ""
+    show_tagged(text, RESULT_MIME, {"name": name, "value": value, "unit": unit})
+
+
+def show_tagged(text: str, mime: str, payload: dict) -> None:
+    """Show ``text``, with ``payload`` under the MIME type ``mime`` beside it for the runner.
+
+    The notebook shows only the text; the course runner reads the payload from the saved
+    output. Outside IPython (a script, a launched rank) the text is printed.
+    """
     try:
         from IPython import get_ipython
         from IPython.display import display
@@ -59,6 +68,4 @@ def record(name: str, value: object, unit: str = "") -> None:
     if get_ipython() is None:
         print(text)
         return
-    display(
-        {RESULT_MIME: {"name": name, "value": value, "unit": unit}, "text/plain": text}, raw=True
-    )
+    display({mime: payload, "text/plain": text}, raw=True)
