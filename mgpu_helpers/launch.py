@@ -346,9 +346,12 @@ class _Channel:
 
     def send(self, message: tuple) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        head = self.header.pack(len(data))
+        # One write for a small message (most are lines of output); no copy of a large one.
+        parts = (head + data,) if len(data) < 1 << 16 else (head, data)
         with self.lock:
             try:
-                for part in (self.header.pack(len(data)), data):
+                for part in parts:
                     view = memoryview(part)
                     while view:
                         view = view[os.write(self.fd, view) :]
@@ -389,15 +392,47 @@ def _collective(exc: BaseException | None) -> str | None:
     found = None
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-            if "/torch/distributed/" in frame.filename.replace("\\", "/"):
-                return frame.name
+        calls = [
+            frame.name
+            for frame in traceback.extract_tb(exc.__traceback__)
+            if "/torch/distributed/" in frame.filename.replace("\\", "/")
+        ]
+        public = [name for name in calls if not name.startswith("_") and name != "wrapper"]
+        if calls:  # the innermost public call, e.g. barrier, all_reduce, init_process_group
+            return (public or calls)[-1]
         text = str(exc)
         markers = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer")
         if (dist_error and isinstance(exc, dist_error)) or any(m in text for m in markers):
             found = ""
         exc = exc.__cause__ or exc.__context__
     return found
+
+
+def _joined(env: DistEnv, timeout: float) -> dist.Store:
+    """Tell the rendezvous store that this rank has finished joining the process group."""
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+    store.set(f"mgpu/joined/{env.rank}", "1")
+    return store
+
+
+def _wait_until_all_joined(store: dist.Store, env: DistEnv, timeout: float) -> None:
+    """Before leaving the group, wait (out of band) until every rank has finished joining it.
+
+    A rank whose worker returns at once would otherwise tear its connections down while a slower
+    rank is still connecting to it inside init_process_group, which then fails with "Connection
+    closed by peer". A barrier would do it too, but would also complete a collective that another
+    rank called by mistake and hide that bug; the store is outside the collectives.
+    """
+    keys = [f"mgpu/joined/{rank}" for rank in range(env.world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception:  # a rank that never joined has failed: the launcher reports that one
+        pass
 
 
 def _entry(
@@ -425,13 +460,17 @@ def _entry(
         env = DistEnv.from_environ(spec["device_type"], spec["backend"])
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)  # make "cuda" mean this rank's GPU
+        store = None
         if spec["init"]:
             dist.init_process_group(
                 env.backend, timeout=datetime.timedelta(seconds=spec["timeout"])
             )
+            store = _joined(env, spec["timeout"])
         result = worker(env, *args, **kwargs)
         returned_at = time.time()
         channel.send(("result", _dumps(result), returned_at))
+        if store is not None:
+            _wait_until_all_joined(store, env, spec["timeout"])
     except BaseException as exc:
         failed = True
         failed_at = time.time()
@@ -647,8 +686,12 @@ def launch(
     finally:
         _stop([r.proc for r in ranks if r.proc is not None])
         for state in ranks:
-            _read(state, printer)  # every rank's last words, before the error is shown
-            state.close()
+            try:
+                _read(state, printer)  # every rank's last words, before the error is shown
+            except Exception:  # a garbled message from a rank stopped mid-write: never mind
+                pass
+            finally:
+                state.close()
         printer.finish()
         del store
     return [r.result for r in ranks]
