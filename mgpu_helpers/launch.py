@@ -1,9 +1,13 @@
 """Start a distributed run from a notebook, a script or a test (lesson 04).
 
-``launch(worker, world_size)`` starts ``world_size`` processes with the *spawn* start method
-through this importable module, so it works from a Jupyter kernel even after earlier cells used
-CUDA, and it sends ``worker`` to the children by value (cloudpickle), so a function written in a
-notebook cell works too; its source travels along, so a rank's traceback shows the failing line.
+``launch(worker, world_size)`` starts ``world_size`` processes through this importable module,
+from a *fork server*: a fresh interpreter, started once per kernel or script like a spawned
+process, that imports torch once and forks every rank from itself. So it works from a Jupyter
+kernel even after earlier cells used CUDA (the server never touches CUDA), and a rank starts in
+milliseconds instead of importing torch again (seconds); where there is no fork server
+(Windows) the ranks are spawned. It sends ``worker`` to the children by value (cloudpickle), so
+a function written in a notebook cell works too; its source travels along, so a rank's traceback
+shows the failing line.
 Each child gets the usual environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``), joins the process group with ``dist.init_process_group`` and
 calls ``worker(env, *args)`` with a :class:`DistEnv`.
@@ -443,8 +447,14 @@ def _entry(
     conn: Connection,
     spec: dict,
 ) -> None:
-    """What each child process runs (importable, so the spawn start method can find it)."""
+    """What each child process runs (importable, so the fork server or spawn can find it)."""
+    # A rank forked from the fork server starts with the server's environment, path and folder,
+    # as they were when it started: take the caller's as they are now, as spawn would.
+    os.environ.clear()
+    os.environ.update(spec["caller_environ"])
     os.environ.update(environ)  # this rank's RANK, WORLD_SIZE, MASTER_ADDR, ...
+    sys.path[:] = spec["caller_path"]
+    os.chdir(spec["caller_cwd"])
     channel = _Channel(conn)
     log = open(spec["log_dir"] / f"rank{rank}.log", "w", buffering=1)  # noqa: SIM115
     os.dup2(log.fileno(), 1)  # output from C/C++ (NCCL, gloo) lands in the log too
@@ -640,6 +650,9 @@ def launch(
         "init": init_process_group,
         "timeout": timeout,
         "log_dir": logs,
+        "caller_environ": dict(os.environ),
+        "caller_path": list(sys.path),
+        "caller_cwd": os.getcwd(),
     }
     # The parent hosts the rendezvous store on a port the OS picks, so runs never collide;
     # TORCHELASTIC_USE_AGENT_STORE tells env:// that every rank is a client of it (torchrun's way).
@@ -651,7 +664,7 @@ def launch(
         timeout=datetime.timedelta(seconds=max(timeout, 60.0)),
         wait_for_workers=False,
     )
-    ctx = mp.get_context("spawn")
+    ctx = _start_method()
     ranks: list[_Rank] = []
     printer = _Printer(echo)
     common = {
@@ -695,6 +708,21 @@ def launch(
         printer.finish()
         del store
     return [r.result for r in ranks]
+
+
+def _start_method() -> mp.context.BaseContext:
+    """The fork server, with this module (and so torch) preloaded; spawn where there is none.
+
+    What it adds to spawn: each rank is forked from a process that has already imported torch,
+    instead of importing it again (about 2 s of CPU per rank, measured on a laptop core). It
+    keeps spawn's safety: the server is a fresh interpreter that never touches CUDA, so the
+    caller may have used CUDA before. The server lives as long as the caller.
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
 
 
 @dataclass

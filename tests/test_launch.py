@@ -11,6 +11,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from procs import rank_children
 
 from mgpu_helpers.launch import DistEnv, WorkerError, launch, plan_launch
 
@@ -59,18 +60,6 @@ def own_init(env: DistEnv) -> int:
     t = torch.ones(1)
     dist.all_reduce(t)
     return int(t.item())
-
-
-def rank_children() -> list[psutil.Process]:
-    """Child processes left behind, apart from multiprocessing's own resource tracker."""
-    left = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.is_running() and "resource_tracker" not in " ".join(p.cmdline()):
-                left.append(p)
-        except psutil.NoSuchProcess:
-            continue
-    return left
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -11,9 +11,9 @@ import os
 import re
 import signal
 
-import psutil
 import pytest
 import torch.distributed as dist
+from procs import rank_children
 
 from mgpu_helpers.launch import DistEnv, WorkerError, launch
 
@@ -37,17 +37,6 @@ def returns_while_rank_0_waits(env: DistEnv) -> int:
     if env.rank == 0:
         dist.barrier()  # WRONG: only rank 0 calls it; rank 1 has returned
     return env.rank
-
-
-def rank_children() -> list[psutil.Process]:
-    left = []
-    for p in psutil.Process().children(recursive=True):
-        try:
-            if p.is_running() and "resource_tracker" not in " ".join(p.cmdline()):
-                left.append(p)
-        except psutil.NoSuchProcess:
-            continue
-    return left
 
 
 @pytest.mark.parametrize(
