@@ -102,6 +102,10 @@ class LessonConfig:
     # course's top folder (relative paths too are taken from there: resolve_data_dir)
     data_dir: str | os.PathLike[str] | None = None
     progress: bool = True  # show tqdm progress bars
+    # Random crops and flips of CIFAR-10's training images. False for a run that must match
+    # another run sample for sample (lesson 04's DDP-vs-one-device proof): each process draws
+    # the augmentation from its own random generator, so two runs would see different images.
+    augment: bool = True
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
@@ -123,6 +127,8 @@ class LessonConfig:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.augment, bool):
+            raise ValueError(f"augment must be True or False, got {self.augment!r}")
         if self.data_dir is not None and not (
             isinstance(self.data_dir, (str, os.PathLike)) and str(self.data_dir)
         ):

@@ -85,13 +85,15 @@ def torchvision_dataset(
     root: str | os.PathLike[str] | None = None,
     train: bool = True,
     download: bool = True,
+    augment: bool = True,
 ) -> Dataset:
     """CIFAR-10 or FashionMNIST through torchvision's own classes, stored under ``root``.
 
     ``root`` is resolved by :func:`~mgpu_helpers.config.resolve_data_dir` (None: the course's
     data folder). Files already on disk are used as they are; otherwise they are downloaded
-    when ``download`` is true. Failure (offline, blocked, corrupt) raises a one-line
-    RuntimeError naming the offline default.
+    when ``download`` is true. ``augment`` adds CIFAR-10's random crops and flips to its
+    training images (drawn from the process's random generator). Failure (offline, blocked,
+    corrupt) raises a one-line RuntimeError naming the offline default.
     """
     from torchvision import datasets, transforms
 
@@ -101,7 +103,7 @@ def torchvision_dataset(
         cls = datasets.CIFAR10
         norm = transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
         steps = [transforms.ToTensor(), norm]
-        if train:  # the usual light augmentation: random 4-pixel shifts and mirror images
+        if train and augment:  # the usual light augmentation: random 4-pixel shifts, mirroring
             steps = [
                 transforms.RandomCrop(32, padding=4),
                 transforms.RandomHorizontalFlip(),
@@ -146,7 +148,7 @@ def build_datasets(cfg: LessonConfig) -> tuple[Dataset, Dataset, DataInfo]:
         test = synthetic(cfg.test_samples or 1024, shape, info.num_classes, seed=cfg.seed + 1)
     else:
         root = resolve_data_dir(cfg.data_dir)  # resolved now, not when the config was made
-        train = torchvision_dataset(cfg.dataset, root, train=True)
+        train = torchvision_dataset(cfg.dataset, root, train=True, augment=cfg.augment)
         test = torchvision_dataset(cfg.dataset, root, train=False)
     return _cap(train, cfg.train_samples), _cap(test, cfg.test_samples), INFO[cfg.dataset]
 

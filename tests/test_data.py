@@ -270,6 +270,22 @@ def test_cifar10_train_split_is_augmented(cifar_root):
     assert any(not torch.equal(views[0], v) for v in views[1:])
 
 
+def test_cifar10_without_augmentation_gives_the_same_image_every_time(cifar_root, no_quick):
+    root, _ = cifar_root
+    cfg = LessonConfig(dataset="cifar10", data_dir=str(root), augment=False)
+    train, _, _ = build_datasets(cfg)
+    views = [train[0][0] for _ in range(8)]
+    assert all(torch.equal(views[0], v) for v in views[1:])
+    augmented, _, _ = build_datasets(cfg.replace(augment=True))
+    torch.manual_seed(0)
+    assert any(not torch.equal(augmented[0][0], views[0]) for _ in range(8))
+
+
+def test_augment_must_be_a_bool(no_quick):
+    with pytest.raises(ValueError, match="augment"):
+        LessonConfig(augment="no")
+
+
 def test_cifar10_through_build_datasets(cifar_root, no_quick):
     root, _ = cifar_root
     train, test, info = build_datasets(LessonConfig(dataset="cifar10", data_dir=str(root)))
