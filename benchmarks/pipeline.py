@@ -21,7 +21,9 @@ steps with every device synchronised at both ends, and the table shows the media
 repeats. Before timing, the script checks that a pipelined step changes the weights exactly as
 the naive step does. The overlap column reads each pipelined step's timeline: how long before
 stage 0's last forward ended stage 1 began its first (positive: the two stages worked at the
-same time; on two GPUs a value <= 0 for M >= 2 means the schedule serialised).
+same time; on two GPUs a value <= 0 for M >= 2 means the schedule serialised). Each GPU's
+clock counts from its own origin event, and the origins are recorded one after the other, so
+between two GPUs the value is good to a few microseconds: read only a clear margin as overlap.
 
     PYTHONPATH=. python benchmarks/pipeline.py                     # devices from the course plan
     PYTHONPATH=. python benchmarks/pipeline.py --devices cuda:0,cuda:1 --micro 1 2 4 8 16

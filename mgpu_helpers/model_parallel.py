@@ -36,6 +36,7 @@ __all__ = [
     "layer_costs",
     "memory_by_device",
     "pipeline_step",
+    "saved_activation_bytes",
     "split_sequential",
 ]
 
@@ -138,64 +139,107 @@ def balance(costs: Sequence[float], n_stages: int) -> list[int]:
 def memory_by_device(
     model: nn.Module, optimizer_slots: int = 1, sample: Tensor | None = None
 ) -> dict[str, dict[str, int]]:
-    """Bytes of parameters, gradients, optimizer state and activations on each device.
+    """Bytes of parameters, gradients, optimizer state and activations on each device (lesson 05).
 
-    Computed from tensor sizes, so it works on the CPU too: gradients are as large as the
-    parameters, ``optimizer_slots`` is the number of state tensors per parameter (1 for SGD
-    with momentum, 2 for Adam), and activations are the outputs of every leaf module for
-    ``sample`` (what backward keeps), counted on the device they were made on. A
-    :class:`SplitModel` gets one row per stage ("stage 0 (cuda:0)"), so stages that share a
-    device (virtual devices) are still told apart.
+    Model state comes from tensor sizes: gradients are as large as the parameters and
+    ``optimizer_slots`` is the number of state tensors per parameter (1 for SGD with momentum,
+    2 for Adam). Activations are what autograd really keeps for backward during one training
+    forward of ``sample`` (:func:`saved_activation_bytes`): parameters, buffers and the sample
+    itself (already on the device before the step) are not counted, nor the model's output
+    and the loss (a few batch x classes tensors). It runs on any device, CPU included. A
+    :class:`SplitModel` gets one row per stage ("stage 0 (cuda:0)"), counted as if each stage
+    had a device of its own, so stages that share a device (virtual devices) are told apart.
     """
     if isinstance(model, SplitModel):
         return _memory_by_stage(model, optimizer_slots, sample)
     report: dict[str, dict[str, int]] = {}
 
-    def row(device: torch.device) -> dict[str, int]:
+    def row(device: str) -> dict[str, int]:
         return report.setdefault(
-            str(device), {"parameters": 0, "gradients": 0, "optimizer": 0, "activations": 0}
+            device, {"parameters": 0, "gradients": 0, "optimizer": 0, "activations": 0}
         )
 
     for p in model.parameters():
         size = p.numel() * p.element_size()
-        r = row(p.device)
+        r = row(str(p.device))
         r["parameters"] += size
         r["gradients"] += size
         r["optimizer"] += optimizer_slots * size
     if sample is not None:
-        hooks = []
-
-        def count(_module: nn.Module, _inputs: object, output: object) -> None:
-            if isinstance(output, Tensor):
-                row(output.device)["activations"] += output.numel() * output.element_size()
-
-        for module in model.modules():
-            if not list(module.children()):
-                hooks.append(module.register_forward_hook(count))
-        try:
-            with torch.no_grad():
-                model(sample)
-        finally:
-            for h in hooks:
-                h.remove()
+        for device, size in saved_activation_bytes(model, sample).items():
+            row(device)["activations"] += size
     return report
+
+
+def saved_activation_bytes(model: nn.Module, sample: Tensor) -> dict[str, int]:
+    """Bytes of the tensors autograd saves for backward in a forward of ``sample``, per device.
+
+    Lesson 05, section 2. Recorded with ``torch.autograd.graph.saved_tensors_hooks`` during one
+    forward with gradients on; each storage is counted once (a ReLU's output that the next
+    Linear saves too, a Flatten that is a view of its input), and the storages of parameters,
+    buffers and ``sample`` are left out. The model's buffers (BatchNorm's running statistics)
+    are restored afterwards, so the call leaves the model as it was.
+    """
+    return _saved_by_stage([model], [None], sample)[0]
+
+
+def _storage(t: Tensor) -> tuple[str, int, int]:
+    """(device, address, bytes) of the memory ``t`` keeps alive: its whole storage."""
+    try:
+        storage = t.untyped_storage()
+        return str(t.device), storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # tensors without a plain storage
+        return str(t.device), id(t), t.numel() * t.element_size()
+
+
+def _saved_by_stage(
+    stages: Sequence[nn.Module], devices: Sequence[torch.device | None], sample: Tensor
+) -> list[dict[str, int]]:
+    """For each stage run in turn (its input moved to ``devices[i]`` unless None), the bytes
+    per device that its forward makes autograd save: deduplicated within a stage, never
+    counting a parameter, a buffer or the sample."""
+    state = [t for stage in stages for t in (*stage.parameters(), *stage.buffers())]
+    x = sample if devices[0] is None else sample.to(devices[0])
+    excluded = {_storage(t)[:2] for t in (*state, x)}
+    buffers = [(b, b.detach().clone()) for stage in stages for b in stage.buffers()]
+    per_stage: list[dict[str, int]] = []
+    seen: set[tuple[str, int]] = set()
+
+    def pack(t: Tensor) -> Tensor:
+        device, address, size = _storage(t)
+        if (device, address) not in excluded and (device, address) not in seen and size:
+            seen.add((device, address))
+            per_stage[-1][device] = per_stage[-1].get(device, 0) + size
+        return t
+
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            for stage, device in zip(stages, devices, strict=True):
+                per_stage.append({})
+                seen.clear()  # a stage's input counts again: on its own device it is a copy
+                x = stage(x if device is None else x.to(device))
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:  # BatchNorm's running statistics, as they were
+                b.copy_(saved)
+    return per_stage
 
 
 def _memory_by_stage(
     model: SplitModel, optimizer_slots: int, sample: Tensor | None
 ) -> dict[str, dict[str, int]]:
+    kinds = ("parameters", "gradients", "optimizer", "activations")
     report = {}
-    x = sample
+    saved = (
+        _saved_by_stage(list(model.stages), model.devices, sample)
+        if sample is not None
+        else [{} for _ in model.stages]
+    )
     for i, (stage, device) in enumerate(zip(model.stages, model.devices, strict=True)):
-        x = None if x is None else x.to(device)
-        rows = memory_by_device(stage, optimizer_slots, x).values()
-        report[f"stage {i} ({device})"] = {
-            key: sum(row[key] for row in rows)
-            for key in ("parameters", "gradients", "optimizer", "activations")
-        }
-        if x is not None:
-            with torch.no_grad():
-                x = stage(x)
+        rows = memory_by_device(stage, optimizer_slots).values()
+        row = {key: sum(r[key] for r in rows) for key in kinds}
+        row["activations"] = sum(saved[i].values())
+        report[f"stage {i} ({device})"] = row
     return report
 
 
@@ -211,7 +255,14 @@ class Event:
 
 
 class _Clock:
-    """Timestamps per device: CUDA events on GPUs, the wall clock on the CPU."""
+    """Timestamps per device: CUDA events on GPUs, the wall clock on the CPU.
+
+    Each GPU's times count from an origin event recorded on that GPU. The origins are recorded
+    one after the other (after synchronising every device), so two GPUs' clocks are offset by
+    the few microseconds between those records: comparisons across GPUs (``forward_overlap``,
+    a timeline's span) are good to about that much, and a test of overlap between two GPUs
+    must ask for a margin (0.1 ms, say), not just a positive number.
+    """
 
     def __init__(self, devices: Sequence[torch.device]) -> None:
         for d in devices:
@@ -390,7 +441,9 @@ def forward_overlap(events: Sequence[Event], stage: int = 0) -> float:
 
     Lesson 05: positive when the two stages ran forwards of different micro-batches at the same
     time (a pipeline), zero or negative when the next stage started only once this one had
-    finished every forward (the naive split, or a pipeline that serialised).
+    finished every forward (the naive split, or a pipeline that serialised). Between two GPUs
+    the value carries the offset of their clocks (a few microseconds, see ``_Clock``), so only
+    a clear margin says that the stages overlapped.
     """
     mine = [e for e in events if e.stage == stage and e.kind == "F"]
     nexts = [e for e in events if e.stage == stage + 1 and e.kind == "F"]
