@@ -22,7 +22,15 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(BIN)/pip install --no-deps -e .
 	touch $(STAMP)
 
-lab: $(STAMP)  ## JupyterLab on the lessons
+# JupyterLab defaults for the course: widget state saved with the notebook, so sliders still
+# draw when a saved lesson is reopened without a running kernel (lesson 00 explains).
+LAB_SETTINGS := $(VENV)/share/jupyter/lab/settings/overrides.json
+
+$(LAB_SETTINGS): jupyter/overrides.json $(STAMP)
+	mkdir -p $(dir $@)
+	cp jupyter/overrides.json $@
+
+lab: $(STAMP) $(LAB_SETTINGS)  ## JupyterLab on the lessons
 	$(BIN)/jupyter lab $(ROOT_FLAG) notebooks/
 
 course: $(STAMP)  ## run every lesson headless (QUICK=1, PARAMS="EPOCHS=1 ...", ONLY="00 02")
