@@ -37,6 +37,7 @@ STUDENT_FILES = (
     "Makefile",
     "README.md",
     "docs",
+    "jupyter",  # JupyterLab defaults that `make lab` installs (widget state saved)
     "data/README.md",
     ".gitignore",
 )
