@@ -200,6 +200,12 @@ def plot_throughput(
     return fig
 
 
+def _count(n: int, noun: str) -> str:
+    """``3 devices``, ``1 device``, ``2 micro-batches``: a number with its noun."""
+    plural = noun + ("es" if noun.endswith("ch") else "s")
+    return f"{n} {noun if n == 1 else plural}"
+
+
 def plot_batch_split(batch_size: int, n_devices: int) -> Figure:
     """One bar per device showing which samples of the batch it gets (lesson 03).
 
@@ -210,7 +216,7 @@ def plot_batch_split(batch_size: int, n_devices: int) -> Figure:
 
     sizes = shard_sizes(batch_size, n_devices) + [0] * n_devices
     sizes = sizes[:n_devices]
-    fig = Figure(figsize=(8, 0.5 + 0.45 * n_devices))
+    fig = Figure(figsize=(8, max(2.2, 0.9 + 0.45 * n_devices)))  # room for one row and labels
     ax = fig.subplots()
     start = 0
     for d, n in enumerate(sizes):
@@ -225,10 +231,11 @@ def plot_batch_split(batch_size: int, n_devices: int) -> Figure:
     ax.set_yticks(range(n_devices), [f"device {d}" for d in range(n_devices)])
     ax.set_ylim(n_devices - 0.5, -0.5)  # device 0 on top, and room for an idle last row
     ax.set_xlim(0, batch_size)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # samples are whole
     ax.set_xlabel("sample index in the batch")
     used = sum(1 for n in sizes if n)
     ax.set_title(
-        f"batch of {batch_size} on {n_devices} devices: shards {sizes[:used]}"
+        f"batch of {batch_size} on {_count(n_devices, 'device')}: shards {sizes[:used]}"
         + (f", {n_devices - used} idle" if used < n_devices else "")
     )
     fig.tight_layout()
@@ -280,6 +287,8 @@ def plot_timeline(events: Sequence[Event], title: str = "", *, time_unit: str = 
     ax.set_yticks(range(n_stages), [f"stage {s}" for s in range(n_stages)])
     ax.invert_yaxis()
     ax.set_xlim(0, span if span > 0 else 1)
+    if time_unit == "slots":  # an ideal schedule: whole slots
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("time slots" if time_unit == "slots" else f"time ({time_unit})")
     ax.grid(axis="x", alpha=0.3)
     handles = [
@@ -294,7 +303,7 @@ def plot_timeline(events: Sequence[Event], title: str = "", *, time_unit: str = 
         title=f"{n_micro} micro-batch{'es' if n_micro > 1 else ''}\n(colour = micro-batch)",
         title_fontsize="small",
     )
-    ax.set_title(title or f"{n_stages} stages, {n_micro} micro-batches")
+    ax.set_title(title or f"{_count(n_stages, 'stage')}, {_count(n_micro, 'micro-batch')}")
     fig.tight_layout()
     return fig
 
@@ -326,7 +335,8 @@ def plot_ideal_schedule(n_stages: int, n_micro: int, *, backward_cost: float = 2
         raise ValueError(f"backward_cost must be > 0, got {backward_cost!r}")
     bubble = bubble_fraction(n_stages, n_micro)
     title = (
-        f"ideal GPipe schedule: S={n_stages} stages, M={n_micro} micro-batches, "
+        f"ideal GPipe schedule: S={_count(n_stages, 'stage')}, "
+        f"M={_count(n_micro, 'micro-batch')}, "
         f"idle (S-1)/(M+S-1) = {bubble:.0%}"
     )
     events = _ideal_gpipe(n_stages, n_micro, float(backward_cost))

@@ -177,3 +177,26 @@ def test_plot_throughput_whiskers_show_the_range_of_the_repeats():
 def test_plot_throughput_rejects_a_range_that_misses_its_bar():
     with pytest.raises(ValueError, match="does not hold"):
         plot_throughput({"a": 10.0}, ranges={"a": (11.0, 12.0)})
+
+
+def test_batch_split_on_one_device_has_room_and_whole_ticks() -> None:
+    from mgpu_helpers.plots import plot_batch_split
+
+    for batch, devices in [(2, 1), (1, 1), (4, 3)]:
+        fig = plot_batch_split(batch, devices)
+        fig.canvas.draw()  # lay out, so the axes have their final size
+        ax = fig.axes[0]
+        assert ax.get_position().height > 0.2, f"no room for the bars of {batch} on {devices}"
+        ticks = [t for t in ax.get_xticks() if 0 <= t <= batch]
+        assert all(float(t).is_integer() for t in ticks), f"fractional sample ticks {ticks}"
+    assert "on 1 device:" in plot_batch_split(2, 1).axes[0].get_title()
+
+
+def test_ideal_schedule_counts_whole_slots_and_says_stage_in_the_singular() -> None:
+    from mgpu_helpers.plots import plot_ideal_schedule
+
+    fig = plot_ideal_schedule(1, 1)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    assert all(float(t).is_integer() for t in ax.get_xticks())
+    assert "S=1 stage," in ax.get_title() and "M=1 micro-batch," in ax.get_title()
