@@ -87,7 +87,7 @@ def plot_history(runs: History | Mapping[str, History], title: str = "") -> Figu
                     linewidth=1.2,
                     color=color,
                     zorder=3,
-                    label=f"{label} {kind} (on {items[twin[(i, key)]][0]})",
+                    label=f"{label} {kind} (drawn over {items[twin[(i, key)]][0]})",
                 )
             elif (i, key) in under:  # thick and pale, so the curve on top stays visible
                 ax.plot(
@@ -115,7 +115,7 @@ def plot_history(runs: History | Mapping[str, History], title: str = "") -> Figu
     for ax in (ax_loss, ax_acc):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # no epoch 1.5
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", framealpha=0.5)  # points under the legend show through
     if twin:
         shared: dict[tuple[int, int], list[str]] = {}
         for (i, key), j in twin.items():

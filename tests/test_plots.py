@@ -84,8 +84,8 @@ def test_plot_history_draws_coinciding_runs_distinguishably_and_says_so():
             assert low.get_alpha() is not None and low.get_alpha() < 1
             assert high.get_marker() in ("x", "+") and low.get_marker() in ("o", "s")
         labels = [t.get_text() for t in ax.get_legend().get_texts()]
-        assert "nn.DataParallel train (on one device)" in labels
-        assert "nn.DataParallel test (on one device)" in labels
+        assert "nn.DataParallel train (drawn over one device)" in labels
+        assert "nn.DataParallel test (drawn over one device)" in labels
     title = fig.get_suptitle()
     assert title.startswith("lesson 03\n")
     assert "nn.DataParallel coincides with one device (" in title  # every curve: no list
