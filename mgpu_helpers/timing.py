@@ -169,7 +169,10 @@ class Comparison:
         """One sentence: the ratio when it means something, else why it does not."""
         rounds = f"{len(self.ratios)} rounds ranged from {self.low:.2f}x to {self.high:.2f}x"
         if self.meaningful:
-            return f"{name} ran {self.median:.2f}x as fast as {other} ({rounds})"
+            return (
+                f"{name} ran {self.median:.2f}x as fast as {other} (the median of the per-round "
+                f"ratios; {rounds})"
+            )
         if len(self.ratios) < 5:
             return (
                 f"no verdict: {len(self.ratios)} rounds are too few to tell a difference from"
