@@ -13,7 +13,7 @@ GRADING_STAMP := $(GRADING)/.installed
 # Cloud images and containers often log in as root, which JupyterLab refuses without this flag.
 ROOT_FLAG  := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab course test student doctor lint benchmark grading-env clean
+.PHONY: lab course test test-fast student doctor lint benchmark grading-env clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,10 @@ grading-env: $(GRADING_STAMP)  ## nbgrader 0.9 in .venv-grading (make test uses 
 test: $(STAMP) $(GRADING_STAMP)  ## lint, unit tests, every notebook in quick mode, nbgrader
 	$(BIN)/ruff check .
 	MGPU_NBGRADER=$(abspath $(GRADING))/bin/nbgrader $(BIN)/pytest
+
+test-fast: $(STAMP)  ## lint and unit tests, no notebooks and no nbgrader (for iterating)
+	$(BIN)/ruff check .
+	$(BIN)/pytest -m "not notebook" --ignore=tests/test_nbgrader.py --ignore=tests/test_lesson_script.py
 
 student: $(STAMP)  ## the student copy of the course (solutions stubbed) in build/student/
 	$(BIN)/mgpu student
