@@ -18,6 +18,7 @@ __all__ = [
     "MODELS",
     "QUICK_LIMITS",
     "LessonConfig",
+    "apply_quick",
     "course_root",
     "grading_from_env",
     "quick_from_env",
@@ -160,6 +161,27 @@ class LessonConfig:
         if self.quick:
             lines.append("    quick mode: epochs and samples capped (set MGPU_QUICK=0 for full)")
         return "\n".join(lines)
+
+
+def apply_quick(cfg: LessonConfig, quick: bool | None = None) -> LessonConfig:
+    """The config quick mode runs: epochs and sample counts capped by ``QUICK_LIMITS``.
+
+    ``quick=None`` reads ``MGPU_QUICK`` (how ``make course QUICK=1`` and the tests ask). When
+    quick mode is off, ``cfg`` comes back unchanged; when on, a new config with ``quick=True``
+    and every capped size at most its limit (smaller values are kept). Every lesson's second
+    cell: ``cfg = apply_quick(LessonConfig(dataset=DATASET, ...))``.
+    """
+    if quick is None:
+        quick = quick_from_env()
+    if not isinstance(quick, bool):
+        raise ValueError(f"quick must be True, False or None (read MGPU_QUICK), got {quick!r}")
+    if not quick:
+        return cfg
+    caps = {
+        name: limit if getattr(cfg, name) is None else min(getattr(cfg, name), limit)
+        for name, limit in QUICK_LIMITS.items()
+    }
+    return replace(cfg, quick=True, **caps)
 
 
 def _positive_int(name: str, value: object) -> None:

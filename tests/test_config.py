@@ -14,6 +14,7 @@ from mgpu_helpers.config import (
     MODELS,
     QUICK_LIMITS,
     LessonConfig,
+    apply_quick,
     course_root,
     quick_from_env,
     resolve_data_dir,
@@ -188,6 +189,71 @@ def test_leaving_quick_mode_restores_the_requested_sizes(no_quick):
     full = quick.replace(quick=False)
     assert (full.epochs, full.train_samples, full.test_samples) == (20, 5000, None)
     assert quick.replace(quick=False, epochs=7).epochs == 7
+
+
+# --- apply_quick: quick mode as one explicit function that returns a new config -------------
+
+
+def test_apply_quick_caps_every_limited_field_and_marks_the_config(no_quick):
+    cfg = LessonConfig(epochs=50, train_samples=100_000, batch_size=32)
+    quick = apply_quick(cfg, True)
+    assert quick.quick is True
+    assert (quick.epochs, quick.train_samples, quick.test_samples) == (
+        QUICK_LIMITS["epochs"],
+        QUICK_LIMITS["train_samples"],
+        QUICK_LIMITS["test_samples"],
+    )
+    assert quick.batch_size == 32  # fields quick mode does not limit are kept
+    assert (cfg.epochs, cfg.train_samples) == (50, 100_000)  # the original never changes
+
+
+def test_apply_quick_keeps_values_already_under_the_limits(no_quick):
+    cfg = LessonConfig(epochs=1, train_samples=10, test_samples=QUICK_LIMITS["test_samples"] + 1)
+    quick = apply_quick(cfg, True)
+    assert (quick.epochs, quick.train_samples) == (1, 10)
+    assert quick.test_samples == QUICK_LIMITS["test_samples"]
+
+
+def test_apply_quick_off_returns_the_same_config(no_quick):
+    cfg = LessonConfig(epochs=50)
+    assert apply_quick(cfg, False) is cfg
+    assert apply_quick(cfg) is cfg  # MGPU_QUICK unset: full size
+
+
+@pytest.mark.parametrize(("value", "expected_epochs"), [("1", 3), ("yes", 3), ("0", 20)])
+def test_apply_quick_reads_mgpu_quick_when_not_told(monkeypatch, value, expected_epochs):
+    monkeypatch.setenv("MGPU_QUICK", "0")
+    cfg = LessonConfig(epochs=20)
+    monkeypatch.setenv("MGPU_QUICK", value)
+    assert QUICK_LIMITS["epochs"] == 3
+    assert apply_quick(cfg).epochs == expected_epochs
+
+
+def test_apply_quick_explicit_argument_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv("MGPU_QUICK", "0")
+    cfg = LessonConfig(epochs=20)
+    monkeypatch.setenv("MGPU_QUICK", "1")
+    assert apply_quick(cfg, False).epochs == 20
+    monkeypatch.setenv("MGPU_QUICK", "0")
+    assert apply_quick(cfg, True).epochs == QUICK_LIMITS["epochs"]
+
+
+def test_apply_quick_is_idempotent(no_quick):
+    once = apply_quick(LessonConfig(epochs=50), True)
+    assert apply_quick(once, True) == once
+
+
+@pytest.mark.parametrize("quick", ["1", 1, "yes"])
+def test_apply_quick_rejects_a_non_bool_quick(no_quick, quick):
+    with pytest.raises(ValueError, match="quick must be True, False or None"):
+        apply_quick(LessonConfig(), quick)
+
+
+def test_dataclasses_replace_keeps_the_applied_caps(no_quick):
+    quick = apply_quick(LessonConfig(epochs=50), True)
+    changed = dataclasses.replace(quick, batch_size=16)
+    assert changed.quick is True and changed.epochs == QUICK_LIMITS["epochs"]
+    assert changed.batch_size == 16
 
 
 # --- the data folder (resolved when used, from the course's top folder) --------------------
