@@ -17,10 +17,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
+
+from .placement import Placement, place
 
 __all__ = [
     "DeviceCheck",
@@ -68,27 +70,15 @@ class Hardware:
     cuda_error: str | None = None  # why CUDA could not be inspected, when it could not
 
 
-@dataclass(frozen=True)
-class Plan:
-    """How the course runs on this hardware (lesson 00): which devices stand for which."""
+class Plan(Placement):  # TEMPORARY alias (issue 9): use mgpu_helpers.placement.Placement
+    """Deprecated: the record of :func:`course_plan`; a :class:`Placement` with a ``mode``."""
 
-    mode: str  # "cpu", "single-gpu" or "multi-gpu"
-    n_gpus: int
-    devices: tuple[str, ...]  # two or more device names for the multi-device lessons
-    virtual: bool  # True when several entries of `devices` are the same physical device
-    backend: str  # torch.distributed backend for one process per entry of `devices`
-    notes: tuple[str, ...] = field(default_factory=tuple)
-
-    def banner(self) -> str:
-        """One line for the top of every lesson: what runs where, and whether it is virtual."""
-        kind = {
-            "cpu": "CPU only",
-            "single-gpu": "1 GPU",
-            "multi-gpu": f"{self.n_gpus} GPUs",
-        }[self.mode]
-        where = ", ".join(self.devices)
-        virtual = " (virtual devices: the same hardware stands in for each)" if self.virtual else ""
-        return f"[{kind}] multi-device lessons use {where}{virtual}; backend {self.backend}"
+    @property
+    def mode(self) -> str:
+        """ "cpu", "single-gpu" or "multi-gpu", from the GPUs visible."""
+        if self.device_type == "cpu":
+            return "cpu"
+        return "multi-gpu" if self.n_gpus >= 2 else "single-gpu"
 
 
 def gpu_count() -> int:
@@ -197,34 +187,13 @@ def describe_hardware() -> Hardware:
 
 
 def course_plan(n_gpus: int | None = None, n_devices: int = 2) -> Plan:
-    """Choose the devices and backend the multi-device lessons use here (lesson 00).
-
-    With two or more GPUs each entry is its own GPU and NCCL joins them. With one GPU every
-    entry is ``cuda:0`` (virtual devices; gloo, since NCCL refuses two ranks on one GPU). With
-    none every entry is ``cpu`` and gloo joins CPU processes. Nothing is simulated: the same
-    code runs, only on fewer physical devices.
-    """
+    """Deprecated: ``place(n_devices, share_gpus=True, n_gpus=n_gpus)`` as a :class:`Plan`."""
+    # TEMPORARY alias (issue 9): lessons and tests move to mgpu_helpers.placement.place.
     if n_devices < 1:
         raise ValueError(f"n_devices must be at least 1, got {n_devices}")
-    n = gpu_count() if n_gpus is None else n_gpus
-    if n < 0:
-        raise ValueError(f"n_gpus cannot be negative, got {n}")
-    backends = available_backends()
-    if n >= n_devices:
-        devices = tuple(f"cuda:{i}" for i in range(n_devices))
-        backend = "nccl" if "nccl" in backends else "gloo"
-        mode = "multi-gpu" if n >= 2 else "single-gpu"
-        notes: tuple[str, ...] = ()
-        if backend == "gloo":
-            notes = ("NCCL is not built into this torch; gloo is slower between GPUs.",)
-        return Plan(mode, n, devices, False, backend, notes)
-    if n >= 1:
-        mode = "multi-gpu" if n >= 2 else "single-gpu"
-        devices = tuple(f"cuda:{i % n}" for i in range(n_devices))
-        note = f"Only {n} GPU(s) for {n_devices} devices: some devices share a GPU."
-        return Plan(mode, n, devices, n_devices > 1, "gloo", (note,))
-    note = "No GPU: every device is a CPU process; timings show the method, not GPU speed."
-    return Plan("cpu", 0, ("cpu",) * n_devices, n_devices > 1, "gloo", (note,))
+    if n_gpus is not None and n_gpus < 0:
+        raise ValueError(f"n_gpus cannot be negative, got {n_gpus}")
+    return Plan(**vars(place(n_devices, share_gpus=True, n_gpus=n_gpus)))
 
 
 def nvidia_smi(*args: str, timeout: float = 30.0) -> str | None:

@@ -50,9 +50,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .devices import gpu_count
+from .dist_env import DistEnv  # TEMPORARY re-export too (issue 9): import it from dist_env
+from .placement import Placement, place
 
-__all__ = ["DistEnv", "LaunchPlan", "WorkerError", "launch", "plan_launch"]
+__all__ = ["WorkerError", "launch"]
 
 _GRACE_SECONDS = 3.0  # how long a stopped rank gets to exit before it is killed
 _POLL_SECONDS = 0.05
@@ -68,64 +69,6 @@ _LOST_PEER = (
     "Broken pipe",
     "remote process exited",
 )
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """Who am I in a distributed run: the one record every worker and script uses."""
-
-    rank: int  # this process's index among all processes, 0 .. world_size-1
-    local_rank: int  # its index on this machine (which GPU it drives)
-    world_size: int  # number of processes in the run
-    device: torch.device  # the device this process computes on
-    backend: str  # torch.distributed backend: "nccl" or "gloo"
-
-    @property
-    def is_main(self) -> bool:
-        """True on rank 0, the process that prints, plots and saves."""
-        return self.rank == 0
-
-    @classmethod
-    def from_environ(cls, device_type: str = "auto", backend: str | None = None) -> DistEnv:
-        """Read RANK, LOCAL_RANK and WORLD_SIZE as set by ``launch`` or ``torchrun``."""
-        try:
-            rank = int(os.environ["RANK"])
-            local_rank = int(os.environ.get("LOCAL_RANK", rank))
-            world_size = int(os.environ["WORLD_SIZE"])
-        except KeyError as exc:
-            raise RuntimeError(
-                f"{exc.args[0]} is not set: start this with mgpu_helpers.launch or torchrun"
-            ) from None
-        if device_type == "auto":
-            device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        if device_type == "cuda":
-            device = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
-        else:
-            device = torch.device("cpu")
-        if backend is None:
-            backend = "nccl" if device.type == "cuda" else "gloo"
-        return cls(rank, local_rank, world_size, device, backend)
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    """Where the ranks of a launch run and how they talk; printed before every launch."""
-
-    world_size: int
-    device_type: str  # "cpu" or "cuda"
-    backend: str
-    share_gpus: bool  # several ranks on one GPU
-    threads_per_rank: int  # torch CPU threads per rank
-
-    def describe(self) -> str:
-        where = "CPU processes" if self.device_type == "cpu" else "GPUs"
-        if self.device_type == "cuda" and self.share_gpus:
-            where = "ranks sharing GPUs"
-        ranks = f"{self.world_size} rank{'s' if self.world_size > 1 else ''}"
-        return (
-            f"launching {ranks} as {where}, backend {self.backend}, "
-            f"{self.threads_per_rank} CPU thread(s) per rank"
-        )
 
 
 class WorkerError(RuntimeError):
@@ -166,53 +109,12 @@ class WorkerError(RuntimeError):
         super().__init__(body)
 
 
-def plan_launch(
-    world_size: int,
-    device: str = "auto",
-    *,
-    share_gpus: bool = False,
-    backend: str | None = None,
-    n_gpus: int | None = None,
-    cpu_count: int | None = None,
-) -> LaunchPlan:
-    """Check a launch request against the hardware; ValueError saying what to change."""
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}")
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device={device!r} is unknown; choose 'auto', 'cpu' or 'cuda'")
-    gpus = gpu_count() if n_gpus is None else n_gpus
-    cpus = (os.cpu_count() or 1) if cpu_count is None else cpu_count
-    if device == "auto":
-        device = "cuda" if gpus >= 1 and (gpus >= world_size or share_gpus) else "cpu"
-        if 1 <= gpus < world_size and not share_gpus:
-            raise ValueError(
-                f"world_size={world_size} needs {world_size} GPUs but {gpus} are visible; use "
-                f"world_size<={gpus}, share_gpus=True (ranks share GPUs over gloo) or "
-                "device='cpu' (CPU processes)"
-            )
-    if device == "cuda":
-        if gpus == 0:
-            raise ValueError("device='cuda' but no GPU is visible; use device='cpu' or 'auto'")
-        if world_size > gpus and not share_gpus:
-            raise ValueError(
-                f"world_size={world_size} needs {world_size} GPUs but {gpus} are visible; use "
-                f"world_size<={gpus}, share_gpus=True (ranks share GPUs over gloo) or "
-                "device='cpu' (CPU processes)"
-            )
-    sharing = device == "cuda" and world_size > gpus
-    if backend is None:
-        own_gpus = device == "cuda" and not sharing
-        backend = "nccl" if own_gpus and dist.is_nccl_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend={backend!r} is unknown; choose 'gloo' or 'nccl'")
-    if backend == "nccl" and device != "cuda":
-        raise ValueError("the NCCL backend needs GPUs; use backend='gloo' for CPU processes")
-    if backend == "nccl" and sharing:
-        raise ValueError(
-            "NCCL refuses two ranks on one GPU; use backend='gloo' or world_size<=GPU count"
-        )
-    threads = max(1, cpus // world_size) if device == "cpu" else max(1, min(4, cpus // world_size))
-    return LaunchPlan(world_size, device, backend, sharing, threads)
+def plan_launch(world_size: int, device: str = "auto", **kwargs: Any) -> Placement:
+    """Deprecated: use :func:`mgpu_helpers.placement.place`."""
+    return place(world_size, device, **kwargs)  # TEMPORARY alias (issue 9)
+
+
+LaunchPlan = Placement  # TEMPORARY alias (issue 9)
 
 
 def _dumps(obj: object) -> bytes:
@@ -466,8 +368,15 @@ def _entry(
     failed = False
     try:
         worker, args, kwargs = pickle.loads(payload)
-        torch.set_num_threads(spec["threads"])
-        env = DistEnv.from_environ(spec["device_type"], spec["backend"])
+        torch.set_num_threads(spec["placement"].threads_per_rank)
+        placement = spec["placement"]
+        env = DistEnv(
+            rank,
+            rank,
+            placement.world_size,
+            torch.device(placement.devices[rank]),
+            placement.backend,
+        )
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)  # make "cuda" mean this rank's GPU
         store = None
@@ -613,10 +522,10 @@ def _new_log_dir(keep: int = 20) -> Path:
 
 def launch(
     worker: Callable[..., Any],
-    world_size: int,
+    placement: Placement | int,
     *args: Any,
-    device: str = "auto",
-    share_gpus: bool = False,
+    device: str | None = None,
+    share_gpus: bool | None = None,
     backend: str | None = None,
     init_process_group: bool = True,
     timeout: float = 120.0,
@@ -624,10 +533,11 @@ def launch(
     echo: bool = True,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``worker(env, *args, **kwargs)`` on ``world_size`` ranks; returns their results.
+    """Run ``worker(env, *args, **kwargs)`` on every rank of ``placement``; their results.
 
-    ``device``: "auto" (one GPU per rank when there are enough, else CPU processes), "cpu" or
-    "cuda". ``share_gpus=True`` allows more ranks than GPUs (over gloo). ``timeout``: seconds a
+    ``placement``: a :class:`Placement` from ``place(...)`` (what the lessons pass), or a
+    number of ranks, placed with ``place(n, device, share_gpus=..., backend=...)`` (``device``
+    "auto", "cpu" or "cuda"). ``timeout``: seconds a
     collective may wait before it fails. With ``init_process_group=False`` the worker joins
     the group itself (``dist.init_process_group(env.backend)``, lesson 04) and sets its own
     timeout there (``timeout=datetime.timedelta(seconds=...)``; PyTorch's default is long).
@@ -635,7 +545,7 @@ def launch(
     which keeps the latest 20 runs). A worker that is not callable, or that cannot be pickled
     with its arguments, is refused (ValueError) before any process starts.
     """
-    plan = plan_launch(world_size, device, share_gpus=share_gpus, backend=backend)
+    plan = _placement(placement, device, share_gpus, backend)
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
     payload, sources = _check_worker(worker, args, kwargs)
@@ -644,9 +554,7 @@ def launch(
     if echo:
         print(f"{plan.describe()}; logs in {logs}", flush=True)
     spec = {
-        "device_type": plan.device_type,
-        "backend": plan.backend,
-        "threads": plan.threads_per_rank,
+        "placement": plan,
         "init": init_process_group,
         "timeout": timeout,
         "log_dir": logs,
@@ -656,6 +564,7 @@ def launch(
     }
     # The parent hosts the rendezvous store on a port the OS picks, so runs never collide;
     # TORCHELASTIC_USE_AGENT_STORE tells env:// that every rank is a client of it (torchrun's way).
+    world_size = plan.world_size
     store = dist.TCPStore(
         "127.0.0.1",
         0,
@@ -671,6 +580,7 @@ def launch(
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(store.port),
         "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCHELASTIC_RESTART_COUNT": "0",  # older torch releases read it in agent-store mode
         "OMP_NUM_THREADS": str(plan.threads_per_rank),  # for libraries the worker starts
@@ -708,6 +618,25 @@ def launch(
         printer.finish()
         del store
     return [r.result for r in ranks]
+
+
+def _placement(
+    placement: Placement | int, device: str | None, share_gpus: bool | None, backend: str | None
+) -> Placement:
+    """The placement a launch runs on: the one given, or ``place()`` of a number of ranks."""
+    if isinstance(placement, Placement):
+        given = [
+            f"{k}="
+            for k, v in (("device", device), ("share_gpus", share_gpus), ("backend", backend))
+            if v is not None
+        ]
+        if given:
+            raise ValueError(
+                f"launch(worker, placement) takes the devices and backend from the placement; "
+                f"drop {', '.join(given)} or pass them to place(...)"
+            )
+        return placement
+    return place(placement, device or "auto", share_gpus=bool(share_gpus), backend=backend)
 
 
 def _start_method() -> mp.context.BaseContext:

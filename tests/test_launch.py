@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 from procs import rank_children
 
-from mgpu_helpers.launch import DistEnv, WorkerError, launch, plan_launch
+from mgpu_helpers.dist_env import DistEnv
+from mgpu_helpers.launch import WorkerError, launch
+from mgpu_helpers.placement import place
 
 
 def rank_sum(env: DistEnv, scale: float) -> tuple[int, int, float]:
@@ -151,35 +153,17 @@ def test_output_is_streamed_with_rank_prefixes_and_logged(capsys, tmp_path) -> N
     assert "hello from rank 1" in (tmp_path / "rank1.log").read_text()
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"world_size": 0}, "world_size must be"),
-        ({"world_size": 2, "device": "tpu"}, "device='tpu' is unknown"),
-        ({"world_size": 2, "device": "cuda", "n_gpus": 0}, "no GPU is visible"),
-        ({"world_size": 4, "device": "cuda", "n_gpus": 2}, "share_gpus=True"),
-        ({"world_size": 4, "n_gpus": 2}, "share_gpus=True"),
-        ({"world_size": 2, "device": "cpu", "backend": "nccl"}, "NCCL backend needs GPUs"),
-        (
-            {"world_size": 2, "device": "cuda", "n_gpus": 1, "share_gpus": True, "backend": "nccl"},
-            "NCCL refuses",
-        ),
-        ({"world_size": 2, "backend": "mpi", "n_gpus": 0}, "backend='mpi' is unknown"),
-    ],
-)
-def test_plan_rejects_what_the_hardware_cannot_do(kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        plan_launch(**kwargs)
+def test_launch_takes_a_placement() -> None:
+    placement = place(3, "cpu")
+    assert launch(rank_sum, placement, 1.0, echo=False) == [(r, 3, 6.0) for r in range(3)]
+    infos = launch(identity, place(2, "cpu", cpu_count=2), echo=False)
+    assert {i["threads"] for i in infos} == {1}  # the placement's threads, not this machine's
 
 
-def test_plan_picks_the_backend_from_the_hardware() -> None:
-    assert plan_launch(2, n_gpus=0, cpu_count=2).backend == "gloo"
-    assert plan_launch(2, n_gpus=0, cpu_count=2).threads_per_rank == 1
-    shared = plan_launch(3, n_gpus=1, share_gpus=True)
-    assert (shared.device_type, shared.backend, shared.share_gpus) == ("cuda", "gloo", True)
-    own = plan_launch(2, n_gpus=2)
-    assert own.device_type == "cuda" and not own.share_gpus
-    assert own.backend == ("nccl" if dist.is_nccl_available() else "gloo")
+def test_launch_refuses_a_placement_with_placement_keywords() -> None:
+    with pytest.raises(ValueError, match=r"drop device=, share_gpus= or pass them to place"):
+        launch(rank_sum, place(2, "cpu"), 1.0, device="cpu", share_gpus=True, echo=False)
+    assert rank_children() == []
 
 
 def test_a_worker_that_is_not_callable_is_refused_before_anything_starts(capsys) -> None:
@@ -208,18 +192,6 @@ def test_launch_rejects_bad_requests_before_starting_anything() -> None:
     with pytest.raises(ValueError, match="world_size"):
         launch(rank_sum, 0, 1.0, echo=False)
     assert rank_children() == []
-
-
-def test_dist_env_from_environ_needs_the_launcher_variables(monkeypatch) -> None:
-    monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(RuntimeError, match="torchrun"):
-        DistEnv.from_environ("cpu")
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    env = DistEnv.from_environ("cpu")
-    assert (env.rank, env.local_rank, env.world_size, env.backend) == (1, 1, 2, "gloo")
-    assert not env.is_main
 
 
 @pytest.mark.multigpu
