@@ -1,15 +1,18 @@
-"""Model parallelism: a model split across devices, and pipelined micro-batches (lesson 05).
+"""Measuring and planning model parallelism (lesson 05; the benchmark and lesson 09 reuse it).
 
-:class:`SplitModel` runs consecutive stages on consecutive devices and moves the activations
-between them in ``forward``; autograd carries the gradients back across devices on its own.
-:func:`pipeline_step` runs a GPipe schedule: the batch is cut into micro-batches, every stage
-runs in its own thread, forwards for all micro-batches, then backwards in reverse, so stage 1
-can work on micro-batch 0 while stage 0 works on micro-batch 1. Each stage sends its output
-(and, going back, its input's gradient) on to the next device right after computing it; between
-two GPUs the copy runs on side streams and the receiving stage's stream waits on an event. It
-records a timeline of what ran when (CUDA events on GPUs, the wall clock on the CPU).
-:func:`balance` chooses where to cut an ``nn.Sequential`` so the stages cost about the same, by
-parameter count or measured time.
+Lesson 05 writes the split model and the GPipe step in its own cells; this module keeps the
+tools around them that several users need:
+
+- running the stages: :func:`run_stages` starts one thread per stage and brings a stage's
+  error back to the caller;
+- a pipeline's timeline: :class:`Timeline` marks when each stage's work starts and ends (CUDA
+  events on GPUs, the wall clock on the CPU) and gives :class:`Event` records, which
+  :func:`idle_fraction`, :func:`forward_overlap` and ``plots.plot_timeline`` read;
+  :func:`bubble_fraction` is the ideal idle share;
+- where to cut: :func:`layer_costs` (parameters or measured time per layer) and
+  :func:`balance` (the cut points that make the most expensive stage as cheap as possible);
+- memory: :func:`memory_by_device` and :func:`memory_by_stage` count parameters, gradients,
+  optimizer state and the activations autograd saves (:func:`saved_activation_bytes`).
 """
 
 from __future__ import annotations
@@ -21,65 +24,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .timing import measure, synchronize
 
 __all__ = [
     "Event",
-    "SplitModel",
+    "Timeline",
     "balance",
     "bubble_fraction",
     "forward_overlap",
     "idle_fraction",
     "layer_costs",
     "memory_by_device",
-    "pipeline_step",
+    "memory_by_stage",
+    "run_stages",
     "saved_activation_bytes",
-    "split_sequential",
 ]
-
-
-class SplitModel(nn.Module):
-    """Stages of a model, each on its own device; ``forward`` moves activations between them."""
-
-    def __init__(self, stages: Sequence[nn.Module], devices: Sequence[torch.device | str]) -> None:
-        super().__init__()
-        if len(stages) != len(devices) or not stages:
-            raise ValueError(f"need one device per stage, got {len(stages)} and {len(devices)}")
-        self.devices = [_with_index(torch.device(d)) for d in devices]
-        self.stages = nn.ModuleList(s.to(d) for s, d in zip(stages, self.devices, strict=True))
-
-    def forward(self, x: Tensor) -> Tensor:
-        for stage, device in zip(self.stages, self.devices, strict=True):
-            x = stage(x.to(device))  # the activation crosses to the next device here
-        return x
-
-
-def _with_index(device: torch.device) -> torch.device:
-    """``cuda`` as the GPU it means here (the current one): ``pipeline_step``'s stage threads
-    start on GPU 0 whatever this thread set, and ``torch.cuda.set_device`` needs an index."""
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def split_sequential(
-    model: nn.Sequential, cuts: Sequence[int], devices: Sequence[torch.device | str]
-) -> SplitModel:
-    """Cut ``model`` before the layer indices in ``cuts`` and put stage i on ``devices[i]``.
-
-    ``cuts=[4]`` on a 10-layer model gives stages ``model[:4]`` and ``model[4:]``.
-    """
-    n = len(model)
-    points = [0, *cuts, n]
-    if any(b <= a for a, b in zip(points, points[1:], strict=False)):
-        raise ValueError(
-            f"cuts must be increasing layer indices strictly between 0 and {n}, got {list(cuts)}"
-        )
-    stages = [model[a:b] for a, b in zip(points, points[1:], strict=False)]
-    return SplitModel(stages, devices)
 
 
 def layer_costs(
@@ -136,6 +97,21 @@ def balance(costs: Sequence[float], n_stages: int) -> list[int]:
     return sorted(points)
 
 
+_KINDS = ("parameters", "gradients", "optimizer", "activations")
+
+
+def _state_bytes(module: nn.Module, optimizer_slots: int) -> dict[str, dict[str, int]]:
+    """Parameters, gradients and optimizer state of ``module``, in bytes, per device."""
+    report: dict[str, dict[str, int]] = {}
+    for p in module.parameters():
+        size = p.numel() * p.element_size()
+        row = report.setdefault(str(p.device), dict.fromkeys(_KINDS, 0))
+        row["parameters"] += size
+        row["gradients"] += size
+        row["optimizer"] += optimizer_slots * size
+    return report
+
+
 def memory_by_device(
     model: nn.Module, optimizer_slots: int = 1, sample: Tensor | None = None
 ) -> dict[str, dict[str, int]]:
@@ -146,29 +122,42 @@ def memory_by_device(
     2 for Adam). Activations are what autograd really keeps for backward during one training
     forward of ``sample`` (:func:`saved_activation_bytes`): parameters, buffers and the sample
     itself (already on the device before the step) are not counted, nor the model's output
-    and the loss (a few batch x classes tensors). It runs on any device, CPU included. A
-    :class:`SplitModel` gets one row per stage ("stage 0 (cuda:0)"), counted as if each stage
-    had a device of its own, so stages that share a device (virtual devices) are told apart.
+    and the loss (a few batch x classes tensors). It runs on any device, CPU included. For a
+    model cut into stages, :func:`memory_by_stage` gives one row per stage.
     """
-    if isinstance(model, SplitModel):
-        return _memory_by_stage(model, optimizer_slots, sample)
-    report: dict[str, dict[str, int]] = {}
-
-    def row(device: str) -> dict[str, int]:
-        return report.setdefault(
-            device, {"parameters": 0, "gradients": 0, "optimizer": 0, "activations": 0}
-        )
-
-    for p in model.parameters():
-        size = p.numel() * p.element_size()
-        r = row(str(p.device))
-        r["parameters"] += size
-        r["gradients"] += size
-        r["optimizer"] += optimizer_slots * size
+    report = _state_bytes(model, optimizer_slots)
     if sample is not None:
         for device, size in saved_activation_bytes(model, sample).items():
-            row(device)["activations"] += size
+            report.setdefault(device, dict.fromkeys(_KINDS, 0))["activations"] += size
     return report
+
+
+def memory_by_stage(
+    stages: Sequence[nn.Module],
+    devices: Sequence[torch.device | str],
+    optimizer_slots: int = 1,
+    sample: Tensor | None = None,
+) -> list[dict[str, int]]:
+    """One :func:`memory_by_device` row per stage of a split model (lesson 05, section 2.1).
+
+    The stages run in turn, stage i's input moved to ``devices[i]``, and each is counted as if
+    it had a device of its own, so stages that share a device (virtual devices) are told apart:
+    a stage that starts with a layer saving its input (a Linear) counts its own copy of the
+    activation that crossed the cut.
+    """
+    if len(stages) != len(devices) or not stages:
+        raise ValueError(f"need one device per stage, got {len(stages)} and {len(devices)}")
+    if sample is None:
+        saved = [{} for _ in stages]
+    else:
+        saved = _saved_by_stage(stages, [torch.device(d) for d in devices], sample)
+    rows = []
+    for stage, activations in zip(stages, saved, strict=True):
+        state = _state_bytes(stage, optimizer_slots).values()
+        row = {key: sum(r[key] for r in state) for key in _KINDS}
+        row["activations"] = sum(activations.values())
+        rows.append(row)
+    return rows
 
 
 def saved_activation_bytes(model: nn.Module, sample: Tensor) -> dict[str, int]:
@@ -225,24 +214,6 @@ def _saved_by_stage(
     return per_stage
 
 
-def _memory_by_stage(
-    model: SplitModel, optimizer_slots: int, sample: Tensor | None
-) -> dict[str, dict[str, int]]:
-    kinds = ("parameters", "gradients", "optimizer", "activations")
-    report = {}
-    saved = (
-        _saved_by_stage(list(model.stages), model.devices, sample)
-        if sample is not None
-        else [{} for _ in model.stages]
-    )
-    for i, (stage, device) in enumerate(zip(model.stages, model.devices, strict=True)):
-        rows = memory_by_device(stage, optimizer_slots).values()
-        row = {key: sum(r[key] for r in rows) for key in kinds}
-        row["activations"] = sum(saved[i].values())
-        report[f"stage {i} ({device})"] = row
-    return report
-
-
 @dataclass(frozen=True)
 class Event:
     """One piece of work in a pipeline timeline: stage, micro-batch, forward or backward."""
@@ -254,186 +225,86 @@ class Event:
     end: float
 
 
-class _Clock:
-    """Timestamps per device: CUDA events on GPUs, the wall clock on the CPU.
+class Timeline:
+    """When each stage's work started and ended in one step: CUDA events on GPUs, the wall
+    clock on the CPU (lesson 05's ``gpipe_step`` and ``benchmarks/pipeline.py`` record it).
 
-    Each GPU's times count from an origin event recorded on that GPU. The origins are recorded
-    one after the other (after synchronising every device), so two GPUs' clocks are offset by
-    the few microseconds between those records: comparisons across GPUs (``forward_overlap``,
+    ``mark(device)`` takes a time stamp from the calling thread's current stream on a GPU;
+    ``add(stage, micro, kind, device, begin)`` records a piece of work from ``begin`` until
+    now; :meth:`events` turns the marks into seconds, once the devices are synchronised. Each
+    GPU's times count from an origin event recorded on that GPU. The origins are recorded one
+    after the other (after synchronising every device), so two GPUs' clocks are offset by the
+    few microseconds between those records: comparisons across GPUs (:func:`forward_overlap`,
     a timeline's span) are good to about that much, and a test of overlap between two GPUs
     must ask for a margin (0.1 ms, say), not just a positive number.
     """
 
     def __init__(self, devices: Sequence[torch.device]) -> None:
-        for d in devices:
+        self.devices = list(dict.fromkeys(torch.device(d) for d in devices))
+        for d in self.devices:
             synchronize(d)
-        self.t0 = time.perf_counter()
-        self.origins = {}
-        for d in devices:
-            if d.type == "cuda" and d not in self.origins:
-                event = torch.cuda.Event(enable_timing=True)
-                event.record(torch.cuda.current_stream(d))
-                self.origins[d] = event
+        self._t0 = time.perf_counter()
+        self._origins = {d: self.mark(d) for d in self.devices if d.type == "cuda"}
+        self._marks: list[tuple[int, int, str, torch.device, object, object]] = []
 
     def mark(self, device: torch.device) -> object:
+        """A time stamp on ``device``: an event on the current stream of a GPU, or seconds."""
         if device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(device))
             return event
-        return time.perf_counter() - self.t0
+        return time.perf_counter() - self._t0
 
-    def seconds(self, device: torch.device, mark: object) -> float:
+    def add(self, stage: int, micro: int, kind: str, device: torch.device, begin: object) -> None:
+        """Record that ``stage`` ran ``kind`` ("F" or "B") of ``micro`` from ``begin`` to now."""
+        end = self.mark(device)
+        self._marks.append((stage, micro, kind, device, begin, end))  # list.append is atomic
+
+    def events(self) -> list[Event]:
+        """The recorded work in seconds since the start, sorted by stage and start time."""
+        for d in self.devices:
+            synchronize(d)  # every CUDA event has happened
+        events = [
+            Event(stage, micro, kind, self._seconds(dev, a), self._seconds(dev, b))
+            for stage, micro, kind, dev, a, b in self._marks
+        ]
+        return sorted(events, key=lambda e: (e.stage, e.start))
+
+    def _seconds(self, device: torch.device, mark: object) -> float:
         if device.type == "cuda":
-            return self.origins[device].elapsed_time(mark) / 1e3  # type: ignore[arg-type]
+            return self._origins[device].elapsed_time(mark) / 1e3  # type: ignore[attr-defined]
         return float(mark)  # type: ignore[arg-type]
 
 
-_Streams = dict[tuple[torch.device, torch.device], tuple[torch.cuda.Stream, torch.cuda.Stream]]
+def run_stages(
+    run_stage: Callable[[int], None], n_stages: int, queues: Sequence[queue.Queue]
+) -> None:
+    """Run ``run_stage(s)`` for each stage in a thread of its own and wait for all (lesson 05).
 
-
-def _copy_streams(devices: Sequence[torch.device]) -> _Streams:
-    """A (send, receive) pair of side streams for each direction between neighbouring GPUs."""
-    streams: _Streams = {}
-    for a, b in zip(devices, devices[1:], strict=False):
-        if a != b and a.type == b.type == "cuda":
-            for src, dst in ((a, b), (b, a)):  # activations forward, gradients back
-                if (src, dst) not in streams:
-                    streams[src, dst] = (torch.cuda.Stream(src), torch.cuda.Stream(dst))
-    return streams
-
-
-def _send(t: Tensor, dst: torch.device, streams: _Streams) -> tuple[Tensor, object]:
-    """Start moving ``t``, just computed by this thread, to ``dst``; return it and its arrival.
-
-    Lesson 05, section 4.1. A device-to-device ``.to()`` runs on the *source* device's current
-    stream and makes the destination's current stream wait for it. Issued by the receiving
-    stage, it would queue behind every forward the sending stage had already queued, so the
-    sender issues it, right after its own work. Between two GPUs the copy runs on a side stream
-    of each device (``send``, ``receive``), so it holds up neither stage's computation; the
-    returned event marks the arrival, which :func:`_receive` makes the consumer wait for. On
-    the CPU, or within one device, the tensor is moved (or kept) as it is, with no event.
+    The threads are what lets stages work at the same time; what they do is the caller's. If
+    a stage raises, every queue in ``queues`` gets a ``None``: the stages waiting there for
+    their next input fail to unpack it and stop instead of waiting for ever, and the first
+    error is raised again here, in the caller's thread.
     """
-    if (t.device, dst) not in streams:
-        return t.to(dst), None
-    send, receive = streams[t.device, dst]
-    send.wait_stream(torch.cuda.current_stream(t.device))  # after t is computed, not later work
-    # Current streams during the copy: send on the source, receive on the destination.
-    with torch.cuda.stream(receive), torch.cuda.stream(send):
-        moved = t.to(dst, non_blocking=True)
-    t.record_stream(send)  # the allocator keeps t's memory until the copy has read it
-    arrived = torch.cuda.Event()
-    arrived.record(receive)
-    return moved, arrived
-
-
-def _receive(t: Tensor, arrived: object) -> Tensor:
-    """Make this thread's stream on ``t``'s device wait until ``t`` has arrived (see _send)."""
-    if arrived is not None:
-        compute = torch.cuda.current_stream(t.device)
-        compute.wait_event(arrived)  # type: ignore[arg-type]
-        t.record_stream(compute)  # t was allocated on the receive stream and is used here
-    return t
-
-
-def pipeline_step(
-    model: SplitModel,
-    optimizer: torch.optim.Optimizer,
-    inputs: Tensor,
-    targets: Tensor,
-    n_micro: int,
-    *,
-    loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
-) -> tuple[Tensor, list[Event]]:
-    """One training step with the GPipe schedule over ``n_micro`` micro-batches (lesson 05).
-
-    Each stage runs in its own thread: all forwards in order, then all backwards in reverse.
-    A stage sends each output to the next stage's device as soon as it has computed it, and
-    each input's gradient back the same way; a timeline event starts once its input is there.
-    Micro-batch losses are weighted by their share of the batch, so the accumulated gradients
-    equal the whole batch's. ``n_micro=1`` is the naive split, with no overlap. Returns the
-    batch's mean loss and the timeline.
-    """
-    if not isinstance(n_micro, int) or n_micro < 1:
-        raise ValueError(f"n_micro must be a whole number >= 1, got {n_micro!r}")
-    if n_micro > inputs.shape[0]:
-        raise ValueError(f"n_micro={n_micro} is more than the {inputs.shape[0]} samples")
-    stages, devices = list(model.stages), model.devices
-    n_stages = len(stages)
-    # Inputs to the first device and targets to the last one before the step starts: a copy
-    # issued later by the last stage's thread would queue behind the first stage's work.
-    xs = inputs.to(devices[0]).chunk(n_micro)
-    ys = targets.to(devices[-1]).chunk(n_micro)
-    n_micro = len(xs)  # chunk may make fewer pieces
-    total = inputs.shape[0]
-    streams = _copy_streams(devices)
-    forward_q = [queue.Queue() for _ in range(n_stages)]  # (micro, activation, arrival) into s
-    backward_q = [queue.Queue() for _ in range(n_stages)]  # (micro, gradient, arrival) into s
-    for m, x in enumerate(xs):
-        forward_q[0].put((m, x, None))
-    clock = _Clock(devices)
-    marks: list[tuple[int, int, str, object, object]] = []
-    losses: list[Tensor] = [torch.zeros(())] * n_micro
     errors: list[BaseException] = []
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
 
-    def run_stage(s: int) -> None:
-        dev, stage = devices[s], stages[s]
-        saved: dict[int, tuple[Tensor, Tensor]] = {}
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)  # this thread issues its work to its own GPU
+    def run_or_stop(s: int) -> None:
         try:
-            for _ in range(n_micro):
-                m, x, arrived = forward_q[s].get()
-                if m < 0:
-                    return  # another stage failed
-                inp = _receive(x, arrived).detach().requires_grad_(s > 0)
-                begin = clock.mark(dev)  # the input is here: the forward can start
-                out = stage(inp)
-                if s == n_stages - 1:
-                    weight = xs[m].shape[0] / total
-                    out = loss_fn(out, ys[m]) * weight
-                    losses[m] = out.detach()
-                saved[m] = (inp, out)
-                marks.append((s, m, "F", begin, clock.mark(dev)))
-                if s < n_stages - 1:  # send the activation on at once
-                    forward_q[s + 1].put((m, *_send(out.detach(), devices[s + 1], streams)))
-            for _ in range(n_micro):
-                if s == n_stages - 1:
-                    m = max(saved)  # the last stage starts with the last micro-batch
-                    grad = None
-                else:
-                    m, grad, arrived = backward_q[s].get()
-                    if m < 0:
-                        return
-                    grad = _receive(grad, arrived)
-                inp, out = saved.pop(m)
-                begin = clock.mark(dev)
-                out.backward(grad)
-                marks.append((s, m, "B", begin, clock.mark(dev)))
-                if s > 0:  # send the input's gradient back at once
-                    backward_q[s - 1].put((m, *_send(inp.grad, devices[s - 1], streams)))
-        except BaseException as exc:  # surfaced in the caller's thread
+            run_stage(s)
+        except BaseException as exc:  # raised again below
             errors.append(exc)
-            for q in (*forward_q, *backward_q):
-                q.put((-1, None, None))
+            for q in queues:
+                q.put(None)
 
-    threads = [threading.Thread(target=run_stage, args=(s,), daemon=True) for s in range(n_stages)]
+    threads = [
+        threading.Thread(target=run_or_stop, args=(s,), daemon=True) for s in range(n_stages)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
-    for d in devices:
-        synchronize(d)
-    optimizer.step()
-    events = [
-        Event(s, m, k, clock.seconds(devices[s], a), clock.seconds(devices[s], b))
-        for s, m, k, a, b in marks
-    ]
-    loss = torch.stack([loss.to(inputs.device) for loss in losses]).sum()
-    return loss, sorted(events, key=lambda e: (e.stage, e.start))
 
 
 def forward_overlap(events: Sequence[Event], stage: int = 0) -> float:
@@ -442,8 +313,8 @@ def forward_overlap(events: Sequence[Event], stage: int = 0) -> float:
     Lesson 05: positive when the two stages ran forwards of different micro-batches at the same
     time (a pipeline), zero or negative when the next stage started only once this one had
     finished every forward (the naive split, or a pipeline that serialised). Between two GPUs
-    the value carries the offset of their clocks (a few microseconds, see ``_Clock``), so only
-    a clear margin says that the stages overlapped.
+    the value carries the offset of their clocks (a few microseconds, see :class:`Timeline`),
+    so only a clear margin says that the stages overlapped.
     """
     mine = [e for e in events if e.stage == stage and e.kind == "F"]
     nexts = [e for e in events if e.stage == stage + 1 and e.kind == "F"]

@@ -246,11 +246,12 @@ def plot_timeline(events: Sequence[Event], title: str = "", *, time_unit: str = 
     """A pipeline timeline (lesson 05): one row per stage, one bar per forward or backward.
 
     Bars are coloured by micro-batch; forwards are plain, backwards hatched. ``events`` come
-    from ``pipeline_step`` (seconds, shown in ``time_unit`` "ms" or "s") or from an ideal
-    schedule in time slots (``time_unit="slots"``). Gaps in a row are that stage's idle time.
+    from a measured step (``model_parallel.Timeline``: seconds, shown in ``time_unit`` "ms" or
+    "s") or from an ideal schedule in time slots (``time_unit="slots"``). Gaps in a row are
+    that stage's idle time.
     """
     if not events:
-        raise ValueError("no events to draw; pass the timeline that pipeline_step returned")
+        raise ValueError("no events to draw; pass the timeline that a pipelined step returned")
     scale = {"ms": 1e3, "s": 1.0, "slots": 1.0}.get(time_unit)
     if scale is None:
         raise ValueError(f"time_unit={time_unit!r} is unknown; choose 'ms', 's' or 'slots'")
@@ -352,7 +353,8 @@ def plot_memory(
     """Stacked bars of memory per device (lesson 05): one bar per key, one layer per kind.
 
     ``breakdown`` maps a bar label (e.g. "whole model: cuda:0") to bytes per kind, such as the
-    rows of ``memory_by_device``. Kinds keep the order in which they first appear.
+    rows of ``memory_by_device`` or ``memory_by_stage``. Kinds keep the order in which they
+    first appear.
     """
     divisor = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}.get(unit)
     if divisor is None:

@@ -55,3 +55,18 @@ def test_three_stages_and_bad_arguments() -> None:
     assert bad.returncode == 2 and "two or more devices" in bad.stderr
     bad = run("--quick", "--micro", "0")
     assert bad.returncode == 2 and "--micro" in bad.stderr
+
+
+def test_the_benchmark_runs_lesson_05s_own_code() -> None:
+    """The split model and the GPipe step are written in lesson 05's cells; the benchmark (and,
+    through it, tests/test_model_parallel.py) runs a copy, which must stay the same code
+    (compared as syntax trees: comments and line breaks may differ)."""
+    from lesson05_code import NAMES, benchmark_definitions, lesson_definitions
+
+    in_lesson, in_benchmark = lesson_definitions(), benchmark_definitions()
+    for name in NAMES:
+        assert name in in_lesson, f"lesson 05 no longer defines {name}"
+        assert name in in_benchmark, f"benchmarks/pipeline.py no longer defines {name}"
+        assert in_benchmark[name] == in_lesson[name], (
+            f"{name} in benchmarks/pipeline.py differs from lesson 05's: copy the lesson's cell"
+        )

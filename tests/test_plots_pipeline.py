@@ -10,16 +10,11 @@ matplotlib.use("Agg")  # no display in the tests
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from lesson05_code import lesson, split_sequential  # noqa: E402
 from matplotlib.container import BarContainer  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from mgpu_helpers.model_parallel import (  # noqa: E402
-    Event,
-    bubble_fraction,
-    idle_fraction,
-    pipeline_step,
-    split_sequential,
-)
+from mgpu_helpers.model_parallel import Event, bubble_fraction, idle_fraction  # noqa: E402
 from mgpu_helpers.models import mlp  # noqa: E402
 from mgpu_helpers.plots import (  # noqa: E402
     _ideal_gpipe,
@@ -76,7 +71,7 @@ def test_plot_timeline_of_a_real_pipeline_step() -> None:
     split = split_sequential(mlp(64, hidden=32, depth=2), [3], ["cpu", "cpu"])
     opt = torch.optim.SGD(split.parameters(), lr=0.1)
     x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
-    _, events = pipeline_step(split, opt, x, y, 4)
+    _, events = lesson.gpipe_step(split, opt, x, y, 4)  # lesson 05's step
     fig = plot_timeline(events)
     assert len(_bars(fig)) == 16  # 2 stages x 4 micro-batches x (F, B)
     assert "4 micro-batches" in fig.axes[0].get_title()
