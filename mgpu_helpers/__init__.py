@@ -1,9 +1,14 @@
-"""Helpers for the hands-on multi-GPU PyTorch course.
+"""Helpers for the hands-on multi-GPU PyTorch course, in two halves.
 
-Each module is one idea a lesson teaches: ``devices`` (00, 01), ``config`` (every lesson),
-``data``, ``models`` and ``train`` (02), ``timing`` (01), ``data_parallel`` (03), ``launch``
-and ``ddp`` (04), ``model_parallel`` (05), ``plots``, ``exercises`` and ``record`` (every
-lesson), ``course`` and ``student`` (running and handing out the course).
+**Lesson helpers** (this folder): what a notebook imports to learn multi-GPU training, each
+module one idea a lesson teaches: ``devices`` and ``doctor`` (00, 01), ``config`` (every
+lesson), ``data``, ``models`` and ``train`` (02), ``timing`` (01), ``data_parallel`` (03),
+``launch`` and ``ddp`` (04), ``model_parallel`` (05), ``plots``, ``exercises`` and ``record``
+(every lesson). Import each name from the module that defines it.
+
+**Course tooling** (``tooling/``): the ``mgpu`` command, the headless course runner and its
+report, the student edition and the notebook file rules. Tooling imports helpers; no helper
+imports tooling.
 
 The names below are imported on first use, not when the package is imported: every process the
 launcher starts imports this package, and should not pay for matplotlib or scikit-learn

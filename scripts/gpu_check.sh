@@ -60,7 +60,7 @@ step() {  # step NAME LIMIT COMMAND...: run within LIMIT s (less if the budget i
   [ "$rc" -eq 0 ] || status=1
 }
 
-step doctor 60 "$PY" -m mgpu_helpers.cli doctor
+step doctor 60 "$PY" -m mgpu_helpers.tooling.cli doctor
 # The lessons' own cap leaves 25 s of the step's limit for the runner's environment report and
 # for stopping a lesson that runs late (SIGTERM, then SIGKILL 15 s later).
 lessons_limit=$((deadline - SECONDS - 90))
@@ -71,7 +71,7 @@ step lessons "$lessons_limit" "$PY" scripts/lesson_as_script.py run --quick \
   --mode "${LESSON_MODE:-auto}"
 # The test files whose GPU tests need no Jupyter stack (the notebooks run on the CPU in CI).
 step gpu_tests 180 "$PY" -m pytest -p no:cacheprovider -q -rs -m "gpu or multigpu" \
-  tests/test_data_parallel.py tests/test_ddp.py tests/test_devices_cli.py \
+  tests/test_data_parallel.py tests/test_ddp.py tests/test_devices.py tests/test_doctor.py \
   tests/test_devices_extra.py tests/test_launch.py tests/test_model_parallel.py \
   tests/test_timing.py tests/test_train.py
 step loop_overhead 90 "$PY" benchmarks/loop_overhead.py --out "$out/loop_overhead.json"

@@ -16,7 +16,7 @@ in its own process, with a time limit per lesson and a cap on the total; a lesso
 runs out of time is reported with the failing cell and its error, and the next one still runs.
 The exit status is 0 only when every lesson ran to the end with every self-check passing.
 
-Modes. ``kernel`` executes the notebook in a real Jupyter kernel (``mgpu_helpers.course.
+Modes. ``kernel`` executes the notebook in a real Jupyter kernel (``mgpu_helpers.tooling.runner.
 run_lesson``, as ``make course`` does); ``script`` exports the code cells to a Python file and
 runs them one at a time, like a kernel, with the kernel shim in ``scripts/kernel_shim/``
 standing in for IPython (``display``, ``get_ipython``, magics, ``!`` commands) and ipywidgets
@@ -447,9 +447,9 @@ def exec_script(script: str | Path, out_dir: str | Path | None = None) -> int:
 def run_in_kernel(
     notebook: Path, out: Path, *, quick: bool, timeout: float, params: dict[str, object]
 ) -> int:
-    """Execute the notebook with ``mgpu_helpers.course.run_lesson``; writes ``exec.json``."""
+    """Execute the notebook with ``tooling.runner.run_lesson``; writes ``exec.json``."""
     sys.path.insert(0, str(ROOT))
-    from mgpu_helpers.course import run_lesson
+    from mgpu_helpers.tooling.runner import run_lesson
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:

@@ -1,4 +1,4 @@
-"""The course runner on tiny notebooks, and the notebook file rules (mgpu_helpers.notebooks).
+"""The course runner on tiny notebooks, and the notebook file rules (tooling.notebooks).
 
 Kernel starts cost seconds each, so five tests start five kernels in all: one course run of a
 passing and a failing lesson (two kernels), one lesson run in full mode, one as an autograder
@@ -14,16 +14,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from mgpu_helpers import cli
-from mgpu_helpers.course import (
-    LessonRun,
-    inject_parameters,
-    plan_parameters,
-    run_course,
-    run_lesson,
-)
 from mgpu_helpers.exercises import VERDICT_MIME
-from mgpu_helpers.notebooks import (
+from mgpu_helpers.tooling.cli import main
+from mgpu_helpers.tooling.notebooks import (
     KERNELSPEC,
     SELF_CHECK_TAG,
     clean_notebook,
@@ -33,6 +26,13 @@ from mgpu_helpers.notebooks import (
     parameter_names,
     parameters_cell_index,
 )
+from mgpu_helpers.tooling.runner import (
+    LessonRun,
+    inject_parameters,
+    plan_parameters,
+    run_course,
+    run_lesson,
+)
 
 PASSING = [
     ("markdown", "# A passing lesson"),
@@ -40,7 +40,9 @@ PASSING = [
     (
         "code",
         "import os\n"
-        "from mgpu_helpers import check, quick_from_env, record\n"
+        "from mgpu_helpers.config import quick_from_env\n"
+        "from mgpu_helpers.exercises import check\n"
+        "from mgpu_helpers.record import record\n"
         'record("n_squared", N * N)\n'
         'record("label", LABEL)\n'
         'record("quick", quick_from_env())\n'
@@ -56,7 +58,7 @@ PASSING = [
 
 FAILING = [
     ("params", "N = 1"),
-    ("code", 'from mgpu_helpers import record\nrecord("before", N)'),
+    ("code", 'from mgpu_helpers.record import record\nrecord("before", N)'),
     ("code", 'raise ValueError("boom in lesson two")'),
     ("code", 'record("after", 1)'),
 ]
@@ -330,7 +332,7 @@ def test_a_lesson_that_cannot_start_is_reported_and_the_course_goes_on(tmp_path)
 
 GRADED = [
     ("params", "N = 1"),
-    ("code", "from mgpu_helpers import check, record"),
+    ("code", "from mgpu_helpers.exercises import check\nfrom mgpu_helpers.record import record"),
     ("code", "def answer():\n    ### BEGIN SOLUTION\n    return N\n    ### END SOLUTION"),
     ("code", '_ = check("exercise 1: wrong", lambda: answer() == 2, hint="return 2")'),
     ("code", "def other():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION"),
@@ -407,21 +409,19 @@ def test_mgpu_course_reports_a_misspelt_param_before_running(tmp_path, notebook_
     folder = tmp_path / "notebooks"
     _lessons_with(folder, notebook_writer, **{"00_a": "SEED = 0", "02_b": "EPOCHS = 3"})
     with pytest.raises(SystemExit) as info:
-        cli.main(["course", "--notebooks", str(folder), "--out", str(tmp_path / "out"),
+        main(["course", "--notebooks", str(folder), "--out", str(tmp_path / "out"),
                   "--only", "02", "--param", "EPOCH=1"])  # fmt: skip
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "--param EPOCH: no lesson run here has a parameter EPOCH; did you mean EPOCHS?" in err
     with pytest.raises(SystemExit):  # SEED is lesson 00's, which --only leaves out
-        cli.main(["course", "--notebooks", str(folder), "--only", "02", "--param", "SEED=1"])
+        main(["course", "--notebooks", str(folder), "--only", "02", "--param", "SEED=1"])
     assert not (tmp_path / "out").exists()
 
 
 def test_run_course_gives_each_lesson_its_params_and_says_who_ignores_one(
     tmp_path, notebook_writer, capsys, monkeypatch
 ):
-    import mgpu_helpers.course as course
-
     lessons = _lessons_with(tmp_path, notebook_writer, **{"00_a": "X = 0", "02_b": "EPOCHS = 3"})
     asked = {}
 
@@ -429,7 +429,7 @@ def test_run_course_gives_each_lesson_its_params_and_says_who_ignores_one(
         asked[path.stem] = params
         return LessonRun(path.stem, "passed", 0.0, params=dict(params or {}))
 
-    monkeypatch.setattr(course, "run_lesson", fake_run_lesson)
+    monkeypatch.setattr("mgpu_helpers.tooling.runner.run_lesson", fake_run_lesson)
     runs = run_course(lessons, tmp_path / "out", quick=True, params={"X": 1, "EPOCHS": 2})
     assert asked == {"00_a": {"X": 1}, "02_b": {"EPOCHS": 2}}
     out = capsys.readouterr().out
@@ -515,7 +515,7 @@ def test_exercise_problems_are_reported(notebook_writer, tmp_path, change, probl
     [
         (CHECK, True),
         ('check("x", t, hint="h");', True),
-        ('mgpu_helpers.check("x", t, "h")', True),
+        ('exercises.check("x", t, "h")', True),
         ("def t():\n    check_all()\n", False),
         ('print("check(")', False),
         ("%time\n_ = check(\n", True),  # a half-typed cell falls back to the text
@@ -528,5 +528,5 @@ def test_is_self_check_cell(source, expected):
 def test_mgpu_clean_with_paths_needs_no_lessons_folder(notebook_writer, tmp_path, monkeypatch):
     path = notebook_writer(tmp_path / "anywhere" / "x.ipynb", [("code", SOLUTION)])
     monkeypatch.chdir(tmp_path)  # no notebooks/ here
-    assert cli.main(["clean", str(path)]) == 0
+    assert main(["clean", str(path)]) == 0
     assert nbformat.read(path, as_version=4).cells[0].metadata["nbgrader"]["solution"] is True

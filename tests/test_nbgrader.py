@@ -18,14 +18,14 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from mgpu_helpers.notebooks import (
+from mgpu_helpers.tooling.notebooks import (
     SELF_CHECK_TAG,
     clean_notebook,
     exercise_check_indices,
     find_lessons,
     is_solution_cell,
 )
-from mgpu_helpers.student import BEGIN, END, strip_solutions
+from mgpu_helpers.tooling.student import BEGIN, END, strip_solutions
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = find_lessons(ROOT / "notebooks")

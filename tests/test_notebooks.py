@@ -15,10 +15,10 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from mgpu_helpers.course import run_lesson
 from mgpu_helpers.exercises import VERDICT_MIME
-from mgpu_helpers.notebooks import find_lessons, notebook_problems, parameters_cell_index
-from mgpu_helpers.student import BEGIN, make_student_edition, strip_solutions
+from mgpu_helpers.tooling.notebooks import find_lessons, notebook_problems, parameters_cell_index
+from mgpu_helpers.tooling.runner import run_lesson
+from mgpu_helpers.tooling.student import BEGIN, make_student_edition, strip_solutions
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = find_lessons(ROOT / "notebooks")

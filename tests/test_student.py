@@ -9,9 +9,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from mgpu_helpers import cli
-from mgpu_helpers.notebooks import find_lessons
-from mgpu_helpers.student import (
+from mgpu_helpers.tooling.cli import main
+from mgpu_helpers.tooling.notebooks import find_lessons
+from mgpu_helpers.tooling.student import (
     BEGIN,
     END,
     STUDENT_FILES,
@@ -215,6 +215,6 @@ def test_make_student_copy_needs_the_course_files(tmp_path):
 
 def test_mgpu_student_writes_the_copy(tmp_path, capsys):
     out = tmp_path / "student"
-    assert cli.main(["student", "--notebooks", str(ROOT / "notebooks"), "--out", str(out)]) == 0
+    assert main(["student", "--notebooks", str(ROOT / "notebooks"), "--out", str(out)]) == 0
     assert (out / "Makefile").exists() and (out / "notebooks" / "00_setup.ipynb").exists()
     assert f"wrote the student copy of {ROOT} to {out}" in capsys.readouterr().out

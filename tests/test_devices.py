@@ -1,8 +1,10 @@
-"""What hardware is here, how the course adapts (course_plan), and the `mgpu` command."""
+"""What hardware is here and how the course adapts (course_plan); the GPU test markers.
+
+`mgpu doctor` is tested in test_doctor.py and the `mgpu` command in test_cli.py.
+"""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -14,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import mgpu_helpers.devices as devices
-from mgpu_helpers import cli
 from mgpu_helpers.devices import (
     Plan,
+    _probe_cuda_elsewhere,
     available_backends,
     course_plan,
     describe_hardware,
     gpu_count,
+    hardware_as_dict,
     nvidia_smi,
 )
 
@@ -47,7 +49,7 @@ PLANS = [
 @pytest.fixture
 def with_nccl(monkeypatch):
     """A torch with NCCL built in (the Linux CUDA wheels), whatever this one has."""
-    monkeypatch.setattr(devices, "available_backends", lambda: ("gloo", "nccl"))
+    monkeypatch.setattr("mgpu_helpers.devices.available_backends", lambda: ("gloo", "nccl"))
 
 
 @pytest.mark.parametrize(
@@ -73,7 +75,7 @@ def test_course_plan_notes_say_what_stands_in():
 
 
 def test_course_plan_without_nccl_uses_gloo_and_says_so(monkeypatch):
-    monkeypatch.setattr(devices, "available_backends", lambda: ("gloo",))
+    monkeypatch.setattr("mgpu_helpers.devices.available_backends", lambda: ("gloo",))
     plan = course_plan(2, 2)
     assert plan.backend == "gloo" and not plan.virtual
     assert any("NCCL" in note for note in plan.notes)
@@ -85,7 +87,7 @@ def test_course_plan_single_device():
 
 
 def test_course_plan_counts_the_gpus_when_not_told(monkeypatch, with_nccl):
-    monkeypatch.setattr(devices, "gpu_count", lambda: 3)
+    monkeypatch.setattr("mgpu_helpers.devices.gpu_count", lambda: 3)
     plan = course_plan()
     assert plan.n_gpus == 3 and plan.devices == ("cuda:0", "cuda:1")
 
@@ -119,7 +121,7 @@ def test_available_backends_include_gloo():
 
 
 def test_available_backends_without_torch_distributed(monkeypatch):
-    monkeypatch.setattr(devices.dist, "is_available", lambda: False)
+    monkeypatch.setattr("torch.distributed.is_available", lambda: False)
     assert available_backends() == ()
 
 
@@ -132,7 +134,7 @@ def test_describe_hardware_on_a_cpu_machine():
     assert "gloo" in hw.backends
     assert hw.cpu_count == (os.cpu_count() or 1)
     assert hw.visible_devices == os.environ.get("CUDA_VISIBLE_DEVICES")
-    assert json.loads(json.dumps(devices.hardware_as_dict(hw)))["gpus"] == []
+    assert json.loads(json.dumps(hardware_as_dict(hw)))["gpus"] == []
 
 
 def test_describe_hardware_leaves_cuda_uninitialised():
@@ -169,14 +171,14 @@ FAKE_PROBE = {
 
 
 def test_describe_hardware_probes_gpus_in_another_process(monkeypatch):
-    monkeypatch.setattr(devices, "gpu_count", lambda: 2)
+    monkeypatch.setattr("mgpu_helpers.devices.gpu_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    monkeypatch.setattr(devices, "_probe_cuda_elsewhere", lambda: FAKE_PROBE)
+    monkeypatch.setattr("mgpu_helpers.devices._probe_cuda_elsewhere", lambda: FAKE_PROBE)
 
     def in_process():
         raise AssertionError("probed CUDA in this process: it would create a CUDA context")
 
-    monkeypatch.setattr(devices, "_probe_cuda", in_process)
+    monkeypatch.setattr("mgpu_helpers.devices._probe_cuda", in_process)
     hw = describe_hardware()
     assert hw.cuda_available and hw.cuda_error is None
     assert [g.index for g in hw.gpus] == [0, 1]
@@ -188,16 +190,16 @@ def test_describe_hardware_reports_a_failed_probe(monkeypatch):
     def failing():
         raise RuntimeError("CUDA probe failed: CUDA driver initialization failed")
 
-    monkeypatch.setattr(devices, "gpu_count", lambda: 1)
+    monkeypatch.setattr("mgpu_helpers.devices.gpu_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    monkeypatch.setattr(devices, "_probe_cuda_elsewhere", failing)
+    monkeypatch.setattr("mgpu_helpers.devices._probe_cuda_elsewhere", failing)
     hw = describe_hardware()  # never raises: `mgpu doctor` reports it
     assert not hw.cuda_available and hw.gpus == ()
     assert "driver initialization failed" in hw.cuda_error
 
 
 def test_cuda_probe_subprocess_round_trip():
-    probe = devices._probe_cuda_elsewhere()
+    probe = _probe_cuda_elsewhere()
     assert len(probe["gpus"]) == gpu_count()
     assert len(probe["peer"]) == gpu_count()
 
@@ -232,192 +234,6 @@ def test_describe_hardware_with_gpus():
     assert hw.cuda_available and len(hw.gpus) == torch.cuda.device_count()
     assert all(g.name and g.total_memory_gib > 0 for g in hw.gpus)
     assert len(hw.peer_access) == len(hw.gpus)
-
-
-# --- mgpu doctor ----------------------------------------------------------------------------
-
-
-def test_doctor_here_is_ok(monkeypatch):
-    monkeypatch.setattr(devices, "nvidia_smi", lambda *args, **kw: None)  # whatever is installed
-    out = io.StringIO()
-    code = cli.doctor(out=out)
-    text = out.getvalue()
-    assert code == 0, text
-    assert "PROBLEM" not in text and text.rstrip().endswith("status: ok")
-    plan = course_plan(gpu_count())
-    assert f"plan         {plan.banner()}" in text
-    assert torch.__version__ in text
-
-
-def _doctor() -> tuple[int, str]:
-    out = io.StringIO()
-    return cli.doctor(out=out), out.getvalue()
-
-
-@pytest.fixture
-def smi_lists_a_gpu_torch_cannot_see(monkeypatch):
-    listing = "0, NVIDIA H100 80GB HBM3, 550.54.15, 81559 MiB\n"
-    monkeypatch.setattr(devices, "nvidia_smi", lambda *args, **kw: listing)
-    monkeypatch.setattr(devices, "gpu_count", lambda: 0)
-
-
-@pytest.mark.parametrize(
-    ("cuda_build", "fix"),
-    [
-        (None, "CPU-only build: install the CUDA build, pip install torch==2.14.1"),
-        ("13.0", "update the NVIDIA driver to one that supports CUDA 13.0"),
-    ],
-)
-def test_doctor_detects_gpus_that_torch_cannot_use(
-    monkeypatch, smi_lists_a_gpu_torch_cannot_see, cuda_build, fix
-):
-    monkeypatch.setattr(torch.version, "cuda", cuda_build)
-    code, text = _doctor()
-    assert code == 1
-    problems = [line for line in text.splitlines() if line.startswith("PROBLEM: ")]
-    assert len(problems) == 1
-    assert "nvidia-smi lists GPUs but torch sees none" in problems[0] and fix in problems[0]
-    assert "nvidia-smi   0, NVIDIA H100" in text
-    assert text.rstrip().endswith("status: broken, see PROBLEM lines above")
-
-
-def test_doctor_reports_unusable_cuda(monkeypatch):
-    monkeypatch.setattr(devices, "nvidia_smi", lambda *args, **kw: None)
-    monkeypatch.setattr(devices, "gpu_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-
-    def failing():
-        raise RuntimeError("CUDA probe failed: no CUDA-capable device is detected")
-
-    monkeypatch.setattr(devices, "_probe_cuda_elsewhere", failing)
-    code, text = _doctor()
-    assert code == 1
-    assert "PROBLEM: CUDA is present but unusable (CUDA probe failed" in text
-
-
-def test_doctor_reports_missing_gloo(monkeypatch):
-    monkeypatch.setattr(devices, "nvidia_smi", lambda *args, **kw: None)
-    monkeypatch.setattr(devices, "available_backends", lambda: ())
-    code, text = _doctor()
-    assert code == 1 and "PROBLEM: torch.distributed has no gloo backend" in text
-
-
-def test_doctor_reports_a_torchvision_that_does_not_match_torch(monkeypatch):
-    import torchvision.ops
-
-    def broken_nms(*args, **kwargs):
-        raise RuntimeError("operator torchvision::nms does not exist")
-
-    monkeypatch.setattr(devices, "nvidia_smi", lambda *args, **kw: None)
-    monkeypatch.setattr(torchvision.ops, "nms", broken_nms)
-    code, text = _doctor()
-    assert code == 1
-    assert "PROBLEM: torchvision is broken (operator torchvision::nms does not exist)" in text
-    assert "pip install torch==2.14.1 torchvision==0.29.1" in text
-
-
-def test_mgpu_doctor_command_runs():
-    exe = Path(sys.executable).with_name("mgpu")
-    command = [str(exe)] if exe.exists() else [sys.executable, "-m", "mgpu_helpers.cli"]
-    out = subprocess.run([*command, "doctor"], capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.startswith("== mgpu doctor ==")
-    assert "status: ok" in out.stdout
-
-
-# --- mgpu course / student / clean (no kernels: the runner is replaced) ---------------------
-
-
-@pytest.fixture
-def lessons(tmp_path, notebook_writer):
-    folder = tmp_path / "notebooks"
-    for name in ("00_setup", "02_baseline", "04_ddp"):
-        notebook_writer(
-            folder / f"{name}.ipynb",
-            [
-                ("params", "N = 1"),
-                ("code", "def f():\n    ### BEGIN SOLUTION\n    return 1\n    ### END SOLUTION"),
-            ],
-        )
-    return folder
-
-
-@pytest.fixture
-def fake_course(monkeypatch):
-    """Replace run_course: records what the CLI asked for; lesson 04 'fails'."""
-    import mgpu_helpers.course as course
-
-    calls = []
-
-    def run_course(notebooks, out_dir, *, quick, params=None, echo=True):
-        calls.append({"names": [p.stem for p in notebooks], "quick": quick, "params": params})
-        status = lambda p: "failed" if p.stem == "04_ddp" else "passed"  # noqa: E731
-        return [course.LessonRun(p.stem, status(p), 0.1) for p in notebooks]
-
-    monkeypatch.setattr(course, "run_course", run_course)
-    return calls
-
-
-def test_mgpu_course_only_unknown_lesson_errors_clearly(lessons, fake_course, capsys):
-    with pytest.raises(SystemExit) as info:
-        cli.main(["course", "--notebooks", str(lessons), "--only", "99"])
-    assert info.value.code == 2
-    assert f"--only 99 matches no lesson in {lessons}" in capsys.readouterr().err
-    assert fake_course == []
-
-
-def test_mgpu_course_selects_lessons_and_parses_params(lessons, fake_course, tmp_path, capsys):
-    code = cli.main(
-        [
-            "course", "--quick", "--notebooks", str(lessons), "--out", str(tmp_path / "out"),
-            "--only", "00", "02_baseline",
-            "--param", "DATASET='cifar10'", "--param", "EPOCHS=3", "--param", "MODEL=resnet",
-        ]
-    )  # fmt: skip
-    assert code == 0
-    assert fake_course == [
-        {
-            "names": ["00_setup", "02_baseline"],
-            "quick": True,
-            "params": {"DATASET": "cifar10", "EPOCHS": 3, "MODEL": "resnet"},
-        }
-    ]
-    assert "report.html" in capsys.readouterr().out
-
-
-def test_mgpu_course_exits_1_when_a_lesson_fails(lessons, fake_course, tmp_path, capsys):
-    assert cli.main(["course", "--notebooks", str(lessons), "--out", str(tmp_path)]) == 1
-    assert fake_course[0]["quick"] is False and len(fake_course[0]["names"]) == 3
-    assert "failed: 04_ddp" in capsys.readouterr().err
-
-
-def test_mgpu_course_rejects_a_param_without_value(lessons, fake_course, capsys):
-    with pytest.raises(SystemExit):
-        cli.main(["course", "--notebooks", str(lessons), "--param", "EPOCHS"])
-    assert "--param wants NAME=VALUE, got 'EPOCHS'" in capsys.readouterr().err
-
-
-def test_mgpu_student_and_clean(lessons, tmp_path, capsys):
-    from mgpu_helpers.student import STUDENT_FILES
-
-    course = Path(cli.__file__).resolve().parents[1]
-    for name in STUDENT_FILES:  # around the lessons: the rest of a course, as `make student` sees
-        source, target = course / name, tmp_path / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(source, target) if source.is_dir() else shutil.copy(source, target)
-    out = tmp_path / "student"
-    assert cli.main(["student", "--notebooks", str(lessons), "--out", str(out)]) == 0
-    written = sorted(p.name for p in (out / "notebooks").iterdir())
-    assert written == ["00_setup.ipynb", "02_baseline.ipynb", "04_ddp.ipynb"]
-    assert "### BEGIN SOLUTION" not in (out / "notebooks" / "04_ddp.ipynb").read_text()
-    assert (out / "mgpu_helpers" / "cli.py").exists()  # the whole course, to hand out
-    assert cli.main(["clean", "--notebooks", str(lessons)]) == 0
-    assert capsys.readouterr().out.count("cleaned ") == 3
-    assert cli.main(["clean", "--notebooks", str(lessons)]) == 0
-    assert capsys.readouterr().out.count("clean   ") == 3
-    nbformat = pytest.importorskip("nbformat")
-    nb = nbformat.read(lessons / "00_setup.ipynb", as_version=4)
-    assert nb.cells[1].metadata["jupyter"]["source_hidden"] is True
 
 
 # --- the gpu / multigpu markers (conftest.py) -----------------------------------------------

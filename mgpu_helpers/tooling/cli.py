@@ -1,0 +1,139 @@
+"""The ``mgpu`` command: ``doctor`` (lesson 00), ``course``, ``student`` and ``clean``."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from mgpu_helpers.doctor import Finding
+
+__all__ = ["doctor", "main", "print_findings"]
+
+_MARK = {"warning": "warning: ", "problem": "PROBLEM: "}
+
+
+def print_findings(findings: Sequence[Finding], out: TextIO = sys.stdout) -> None:
+    """Print findings as the doctor's report: facts and checks first, then warnings, problems."""
+    facts = [f for f in findings if f.level in ("ok", "info")]
+    for f in facts:
+        print(f"{f.topic:<12} " + "\n             ".join(f.message.splitlines()), file=out)
+    for level in ("warning", "problem"):
+        for f in findings:
+            if f.level == level:
+                print(f"{_MARK[level]}{f.message}; fix: {f.fix}", file=out)
+
+
+def doctor(out: TextIO = sys.stdout) -> int:
+    """Print the environment report; 0, or 1 when a problem line says the install is broken."""
+    print("== mgpu doctor ==", file=out)
+    try:
+        from mgpu_helpers.doctor import diagnose, exit_code
+    except Exception as exc:  # torch itself does not import: nothing else can be checked
+        print(f"PROBLEM: torch does not import ({exc})", file=out)
+        print("fix: pip install -r requirements.txt (or: make lab, which installs it)", file=out)
+        print("status: broken, see PROBLEM lines above", file=out)
+        return 1
+    findings = diagnose()
+    print_findings(findings, out)
+    code = exit_code(findings)
+    print("status: " + ("broken, see PROBLEM lines above" if code else "ok"), file=out)
+    return code
+
+
+def _parse_param(text: str) -> tuple[str, object]:
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--param wants NAME=VALUE, got {text!r}")
+    try:
+        return name.strip(), ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name.strip(), value  # a bare word is a string
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mgpu", description="Multi-GPU course tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="environment report; non-zero exit when the install is broken")
+    course = sub.add_parser("course", help="run every lesson headless and write an HTML report")
+    course.add_argument("--quick", action="store_true", help="tiny data and few steps")
+    course.add_argument("--notebooks", default="notebooks", help="folder with the lessons")
+    course.add_argument("--out", default="build/course", help="where results go")
+    course.add_argument(
+        "--only", nargs="*", default=None, help="lesson numbers or names to run, e.g. --only 00 02"
+    )
+    course.add_argument(
+        "--param",
+        action="append",
+        type=_parse_param,
+        default=[],
+        help="override a parameter of the lessons that have it, e.g. --param DATASET=cifar10 "
+        "(a name no selected lesson has is an error)",
+    )
+    clean = sub.add_parser("clean", help="strip outputs and editor metadata from the lessons")
+    clean.add_argument("--notebooks", default="notebooks")
+    clean.add_argument("paths", nargs="*", help="notebooks to clean (default: every lesson)")
+    student = sub.add_parser(
+        "student",
+        help="write the student copy of the course: the package, requirements, docs and the "
+        "notebooks with solutions stubbed",
+    )
+    student.add_argument(
+        "--notebooks",
+        default="notebooks",
+        help="the lessons; their parent folder is the course that is copied",
+    )
+    student.add_argument("--out", default="build/student", help="where the copy goes")
+    args = parser.parse_args(argv)
+
+    if args.command == "doctor":
+        return doctor()
+    from mgpu_helpers.tooling.notebooks import clean_notebook, find_lessons
+
+    if args.command == "clean" and args.paths:  # the named notebooks, wherever they are
+        lessons = [Path(p) for p in args.paths]
+    else:
+        try:
+            lessons = find_lessons(args.notebooks)
+        except FileNotFoundError as exc:
+            parser.error(str(exc))
+    if args.command == "clean":
+        for path in lessons:
+            print(f"{'cleaned' if clean_notebook(path) else 'clean  '} {path}")
+        return 0
+    if args.command == "student":
+        from mgpu_helpers.tooling.student import make_student_copy
+
+        root = Path(args.notebooks).resolve().parent
+        try:
+            out = make_student_copy(root, args.out, lessons)
+        except ValueError as exc:
+            parser.error(str(exc))
+        print(f"wrote the student copy of {root} to {out}")
+        print(f"  {len(lessons)} lessons with solutions stubbed in {out / 'notebooks'}")
+        return 0
+    if args.only:
+        wanted = set(args.only)
+        lessons = [p for p in lessons if p.stem in wanted or p.stem[:2] in wanted]
+        if not lessons:
+            parser.error(f"--only {' '.join(args.only)} matches no lesson in {args.notebooks}")
+    from mgpu_helpers.tooling.runner import run_course
+
+    try:
+        runs = run_course(lessons, args.out, quick=args.quick, params=dict(args.param))
+    except ValueError as exc:  # a --param no selected lesson has: nothing ran
+        parser.error(str(exc))
+    failed = [r.name for r in runs if r.status != "passed"]
+    print(f"report: {Path(args.out) / 'report.html'}")
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
