@@ -1,25 +1,24 @@
 """Start a distributed run from a notebook, a script or a test (lesson 04).
 
-``launch(worker, world_size)`` starts ``world_size`` processes through this importable module,
-from a *fork server*: a fresh interpreter, started once per kernel or script like a spawned
-process, that imports torch once and forks every rank from itself. So it works from a Jupyter
-kernel even after earlier cells used CUDA (the server never touches CUDA), and a rank starts in
-milliseconds instead of importing torch again (seconds); where there is no fork server
-(Windows) the ranks are spawned. It sends ``worker`` to the children by value (cloudpickle), so
-a function written in a notebook cell works too; its source travels along, so a rank's traceback
-shows the failing line.
-Each child gets the usual environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``), joins the process group with ``dist.init_process_group`` and
-calls ``worker(env, *args)`` with a :class:`DistEnv`.
+``launch(worker, placement)`` runs ``worker(env, *args)`` on every rank of a
+:class:`~mgpu_helpers.placement.Placement` (or ``launch(worker, n, device=...)``) and returns
+the ranks' results in rank order. PyTorch does the process work: ``torch.multiprocessing.
+start_processes`` starts the ranks and its ``ProcessContext`` holds them. This module adds only
+what PyTorch does not do for a notebook, each marked "Adds:" below:
 
-The parent hosts the rendezvous store itself on a port the operating system picks (as
-``torchrun``'s agent does), so launches back to back or side by side never collide. It streams
-the children's output into the caller's (rank 0's lines as they are and its progress bar drawn
-in place on stdout; other ranks' lines prefixed with their rank), keeps a log per rank, returns
-each rank's return value, and when one rank fails it stops the others within seconds and raises
-:class:`WorkerError` naming the rank that failed first and how (its traceback, or the exit code
-or signal of a process that died without one), with the other ranks' errors as consequences.
-Collectives that wait longer than ``timeout`` seconds fail instead of hanging.
+- the worker travels by value (cloudpickle), so a function written in a notebook cell works, and
+  its cell's source travels along, so a rank's traceback shows the failing line;
+- the ranks are forked from a fork server that has imported torch once (a fresh interpreter
+  that never touches CUDA, so it stays safe after the notebook used CUDA): a launch takes a
+  tenth of a second instead of seconds of importing torch again;
+- the parent hosts the rendezvous store on a port the operating system picks, as torchrun's
+  agent does, so launches back to back or side by side never collide;
+- rank 0's output streams into the notebook as it comes (its progress bar drawn in place on
+  stdout), other ranks' lines are prefixed with their rank, and every rank keeps a log;
+- when a rank fails, the others are stopped within seconds and :class:`WorkerError` names the
+  rank that failed first and how (its traceback, or the exit code or signal of a process that
+  died without one), with the other ranks' errors as consequences; collectives that wait longer
+  than ``timeout`` fail instead of hanging; no rank outlives the call, interrupts included.
 """
 
 from __future__ import annotations
@@ -47,15 +46,17 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+import cloudpickle
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as torch_mp
 
-from .dist_env import DistEnv  # TEMPORARY re-export too (issue 9): import it from dist_env
+from .dist_env import DistEnv
 from .placement import Placement, place
 
 __all__ = ["WorkerError", "launch"]
 
-_GRACE_SECONDS = 3.0  # how long a stopped rank gets to exit before it is killed
+_GRACE_SECONDS = 3.0  # how long a rank gets to exit on its own before it is stopped (or killed)
 _POLL_SECONDS = 0.05
 # After the first failure, how long to wait for the other ranks' outcome before deciding who
 # failed first: a survivor's "Connection closed by peer" can arrive before the parent sees the
@@ -104,26 +105,146 @@ class WorkerError(RuntimeError):
         self.log = log
         self.others = dict(others or {})
         self.finished = tuple(finished)
-        head = f"rank {rank} failed:"
-        body = f"{head}\n{details}" if summary is None else f"{summary}\n{details}"
-        super().__init__(body)
+        super().__init__(f"{summary or f'rank {rank} failed:'}\n{details}")
 
 
-def plan_launch(world_size: int, device: str = "auto", **kwargs: Any) -> Placement:
-    """Deprecated: use :func:`mgpu_helpers.placement.place`."""
-    return place(world_size, device, **kwargs)  # TEMPORARY alias (issue 9)
+def launch(
+    worker: Callable[..., Any],
+    placement: Placement | int,
+    *args: Any,
+    device: str | None = None,
+    share_gpus: bool | None = None,
+    backend: str | None = None,
+    init_process_group: bool = True,
+    timeout: float = 120.0,
+    log_dir: str | Path | None = None,
+    echo: bool = True,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``worker(env, *args, **kwargs)`` on every rank of ``placement``; their results.
 
-
-LaunchPlan = Placement  # TEMPORARY alias (issue 9)
-
-
-def _dumps(obj: object) -> bytes:
-    """Pickle by value where needed (functions from a notebook), by reference otherwise."""
+    ``placement``: a :class:`Placement` from ``place(...)`` (what the lessons pass), or a number
+    of ranks, then placed with ``place(n, device or "auto", share_gpus=..., backend=...)``.
+    ``timeout``: seconds a collective may wait before it fails. With
+    ``init_process_group=False`` the worker joins the group itself
+    (``dist.init_process_group(env.backend)``, lesson 04) and sets its own timeout there.
+    Logs go to ``log_dir`` (default: a fresh folder under the temp directory's ``mgpu-runs``,
+    which keeps the latest 20 runs). A worker that is not callable, or that cannot be pickled
+    with its arguments, is refused (ValueError) before any process starts.
+    """
+    plan = _placement(placement, device, share_gpus, backend)
+    if timeout <= 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+    payload, sources = _check_worker(worker, args, kwargs)
+    logs = Path(log_dir) if log_dir is not None else _new_log_dir()
+    logs.mkdir(parents=True, exist_ok=True)
+    if echo:
+        print(f"{plan.describe()}; logs in {logs}", flush=True)
+    # Adds: the parent hosts the rendezvous store on a port the OS picks, so runs never collide;
+    # TORCHELASTIC_USE_AGENT_STORE tells env:// (a worker joining by itself) that every rank is
+    # a client of it, as under torchrun.
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        plan.world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=max(timeout, 60.0)),
+        wait_for_workers=False,
+    )
+    method = _start_method()
+    # Variables and folder go as arguments, not through this process's os.environ: two
+    # launches from two threads must not see each other's. A forked rank would otherwise keep
+    # the fork server's, as they were when it started.
+    spec = {
+        "placement": plan,
+        "init": init_process_group,
+        "timeout": timeout,
+        "log_dir": logs,
+        "method": method,
+        "environ": {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store.port),
+            "WORLD_SIZE": str(plan.world_size),
+            "LOCAL_WORLD_SIZE": str(plan.world_size),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": "0",  # older torch releases read it in agent mode
+            "OMP_NUM_THREADS": str(plan.threads_per_rank),  # for libraries the worker starts
+        },
+        "path": list(sys.path),
+        "cwd": os.getcwd(),
+    }
+    ranks = [_Rank(rank, None, logs / f"rank{rank}.log") for rank in range(plan.world_size)]
+    writers = []
+    for state in ranks:  # Adds: a pipe per rank for its output, result and traceback
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        state.fd = read_fd
+        writers.append(Connection(write_fd, readable=False))
+    printer = _Printer(echo)
+    procs: list[Any] = []
     try:
-        import cloudpickle
-    except ImportError:  # plain pickle still handles workers importable from a module
-        return pickle.dumps(obj)
-    return cloudpickle.dumps(obj)
+        try:
+            context = torch_mp.start_processes(
+                _entry,
+                args=(payload, sources, writers, spec),
+                nprocs=plan.world_size,
+                join=False,  # we supervise: see _supervise
+                start_method=method,
+            )
+            procs = context.processes
+        finally:
+            for writer in writers:
+                writer.close()  # each rank has its own copy; a pipe ends when its rank does
+        _supervise(ranks, procs, printer)
+    finally:
+        _stop(procs)
+        for state in ranks:
+            try:
+                _read(state, printer)  # every rank's last words, before the error is shown
+            except Exception:  # a garbled message from a rank stopped mid-write: never mind
+                pass
+            finally:
+                state.close()
+        printer.finish()
+        del store
+    return [r.result for r in ranks]
+
+
+def _placement(
+    placement: Placement | int, device: str | None, share_gpus: bool | None, backend: str | None
+) -> Placement:
+    """The placement a launch runs on: the one given, or ``place()`` of a number of ranks."""
+    if not isinstance(placement, Placement):
+        return place(placement, device or "auto", share_gpus=bool(share_gpus), backend=backend)
+    given = [
+        name
+        for name, value in (("device=", device), ("share_gpus=", share_gpus), ("backend=", backend))
+        if value is not None
+    ]
+    if given:
+        raise ValueError(
+            "launch(worker, placement) takes the devices and backend from the placement; drop "
+            f"{', '.join(given)} or pass them to place(...)"
+        )
+    return placement
+
+
+def _start_method() -> str:
+    """The fork server, with this module (and so torch) preloaded; spawn where there is none.
+
+    Adds to ``start_processes(start_method="spawn")``: each rank is forked from a process that
+    has already imported torch instead of importing it again (seconds per rank). It keeps
+    spawn's safety: the server is a fresh interpreter that never touches CUDA, so the caller may
+    have used CUDA before. The server starts at the first launch and lives as long as the caller.
+    """
+    if "forkserver" not in mp.get_all_start_methods():  # Windows
+        return "spawn"
+    mp.get_context("forkserver").set_forkserver_preload([__name__])
+    return "forkserver"
+
+
+# --- sending the worker (Adds: by value, with its source, refused early if it cannot go) ---
 
 
 def _named_code(args: tuple, filename: str) -> types.CodeType:
@@ -132,19 +253,14 @@ def _named_code(args: tuple, filename: str) -> types.CodeType:
 
 
 def _pack(obj: object) -> tuple[bytes, dict[str, list[str]]]:
-    """Pickle ``obj`` like ``_dumps``, keeping the file names of functions sent by value.
+    """Pickle ``obj`` with cloudpickle, keeping the file names of functions sent by value.
 
     cloudpickle renames the code of every function it sends by value to ``<dynamic-code>``, so a
     traceback in a rank could not show the failing line. This keeps each code object's own file
     name and returns, beside the bytes, the source lines of the files a child cannot read (a
     notebook cell's, which IPython keeps in ``linecache`` under a made-up path).
     """
-    try:
-        import cloudpickle
-        from cloudpickle import cloudpickle as implementation
-    except ImportError:
-        return pickle.dumps(obj), {}
-    code_reduce = getattr(implementation, "_code_reduce", None)
+    code_reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
     filenames: set[str] = set()
 
     class _Pickler(cloudpickle.Pickler):
@@ -231,8 +347,11 @@ def _unpicklable(worker: Any, args: tuple, kwargs: dict, exc: Exception) -> str:
     )
 
 
+# --- in each rank (Adds: output, result and traceback sent to the parent as they happen) -----
+
+
 class _Channel:
-    """A child's line to the parent: its own pipe, written synchronously.
+    """A rank's line to the parent: its own pipe, written synchronously.
 
     Nothing waits in a buffer (as it would in a multiprocessing queue's feeder thread), so a
     rank that ends abruptly (``os._exit``, SIGKILL) has delivered everything it wrote before.
@@ -266,7 +385,7 @@ class _Channel:
 
 
 class _Forward:
-    """A child's sys.stdout/sys.stderr: every write goes to its log and to the parent."""
+    """A rank's sys.stdout/sys.stderr: every write goes to its log and to the parent."""
 
     def __init__(self, stream: str, channel: _Channel, log: Any) -> None:
         self.stream, self.channel, self.log = stream, channel, log
@@ -314,50 +433,22 @@ def _collective(exc: BaseException | None) -> str | None:
     return found
 
 
-def _joined(env: DistEnv, timeout: float) -> dist.Store:
-    """Tell the rendezvous store that this rank has finished joining the process group."""
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=datetime.timedelta(seconds=timeout),
-    )
-    store.set(f"mgpu/joined/{env.rank}", "1")
-    return store
-
-
-def _wait_until_all_joined(store: dist.Store, env: DistEnv, timeout: float) -> None:
-    """Before leaving the group, wait (out of band) until every rank has finished joining it.
-
-    A rank whose worker returns at once would otherwise tear its connections down while a slower
-    rank is still connecting to it inside init_process_group, which then fails with "Connection
-    closed by peer". A barrier would do it too, but would also complete a collective that another
-    rank called by mistake and hide that bug; the store is outside the collectives.
-    """
-    keys = [f"mgpu/joined/{rank}" for rank in range(env.world_size)]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except Exception:  # a rank that never joined has failed: the launcher reports that one
-        pass
-
-
 def _entry(
     rank: int,
-    environ: dict[str, str],
     payload: bytes,
     sources: dict[str, list[str]],
-    conn: Connection,
+    writers: list[Connection],
     spec: dict,
 ) -> None:
-    """What each child process runs (importable, so the fork server or spawn can find it)."""
-    # A rank forked from the fork server starts with the server's environment, path and folder,
-    # as they were when it started: take the caller's as they are now, as spawn would.
+    """What each rank runs, called by torch's ``start_processes`` as ``_entry(rank, ...)``."""
+    channel = _Channel(writers[rank])
+    for other in writers:
+        if other is not writers[rank]:
+            other.close()  # only the parent may hold the other ranks' pipes open
     os.environ.clear()
-    os.environ.update(spec["caller_environ"])
-    os.environ.update(environ)  # this rank's RANK, WORLD_SIZE, MASTER_ADDR, ...
-    sys.path[:] = spec["caller_path"]
-    os.chdir(spec["caller_cwd"])
-    channel = _Channel(conn)
+    os.environ.update(spec["environ"], RANK=str(rank), LOCAL_RANK=str(rank))
+    sys.path[:] = spec["path"]
+    os.chdir(spec["cwd"])
     log = open(spec["log_dir"] / f"rank{rank}.log", "w", buffering=1)  # noqa: SIM115
     os.dup2(log.fileno(), 1)  # output from C/C++ (NCCL, gloo) lands in the log too
     os.dup2(log.fileno(), 2)
@@ -365,31 +456,38 @@ def _entry(
     sys.stderr = _Forward("stderr", channel, log)
     for filename, lines in sources.items():  # a notebook cell's source, for the tracebacks
         linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    placement: Placement = spec["placement"]
+    timeout = datetime.timedelta(seconds=spec["timeout"])
     failed = False
     try:
         worker, args, kwargs = pickle.loads(payload)
-        torch.set_num_threads(spec["placement"].threads_per_rank)
-        placement = spec["placement"]
-        env = DistEnv(
-            rank,
-            rank,
-            placement.world_size,
-            torch.device(placement.devices[rank]),
-            placement.backend,
-        )
-        if env.device.type == "cuda":
-            torch.cuda.set_device(env.device)  # make "cuda" mean this rank's GPU
+        torch.set_num_threads(placement.threads_per_rank)
+        device = torch.device(placement.devices[rank])
+        env = DistEnv(rank, rank, placement.world_size, device, placement.backend)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # "cuda" means this rank's GPU; before NCCL starts
         store = None
         if spec["init"]:
-            dist.init_process_group(
-                env.backend, timeout=datetime.timedelta(seconds=spec["timeout"])
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timeout=timeout
             )
-            store = _joined(env, spec["timeout"])
+            dist.init_process_group(
+                env.backend, store=store, rank=rank, world_size=env.world_size, timeout=timeout
+            )
+            store.set(f"mgpu/joined/{rank}", "1")
         result = worker(env, *args, **kwargs)
-        returned_at = time.time()
-        channel.send(("result", _dumps(result), returned_at))
+        channel.send(("result", cloudpickle.dumps(result), time.time()))
         if store is not None:
-            _wait_until_all_joined(store, env, spec["timeout"])
+            # Adds: leave the group only once every rank has finished joining it. A rank whose
+            # worker returns at once would otherwise close its connections while a slower rank
+            # is still connecting inside init_process_group ("Connection closed by peer"). A
+            # barrier would also complete a collective that another rank called by mistake and
+            # hide that bug; the store is outside the collectives.
+            keys = [f"mgpu/joined/{r}" for r in range(env.world_size)]
+            try:
+                store.wait(keys, timeout)
+            except Exception:  # a rank that never joined has failed: that one is reported
+                pass
     except BaseException as exc:
         failed = True
         failed_at = time.time()
@@ -402,12 +500,126 @@ def _entry(
                 dist.destroy_process_group()
             except Exception:  # a broken group must not hide the real error
                 pass
-        # DDP keeps the gloo group alive in a reference cycle; collect it now, while Python is
-        # fully alive, or its worker threads may abort the process at interpreter shutdown.
-        gc.collect()
+        if spec["method"] == "spawn":
+            # A spawned rank ends through interpreter shutdown, where DDP's gloo group (kept
+            # alive in a reference cycle) can abort the process: collect it while Python is fully
+            # alive. A forked rank ends with os._exit and skips this (about 0.1 s with torch).
+            gc.collect()
         log.flush()
     if failed:
         os._exit(1)  # every message was written synchronously: nothing is lost
+
+
+# --- in the parent (Adds: streaming while supervising, attribution, a bounded stop) ---------
+
+
+@dataclass
+class _Rank:
+    """What the parent knows about one rank while the launch runs."""
+
+    rank: int
+    fd: int | None  # reading end of the rank's pipe
+    log: Path
+    buffer: bytearray = field(default_factory=bytearray)
+    result: Any = None
+    returned_at: float | None = None  # when the worker returned (time.time() in the child)
+    error: str | None = None  # its traceback
+    failed_at: float | None = None
+    collective: str | None = None  # the torch.distributed call it failed in ("" unknown)
+    exitcode: int | None = None
+    exited_at: float | None = None  # when the parent saw the process end
+
+    @property
+    def died(self) -> bool:
+        """Ended without a result and without a traceback (os._exit, a signal, a crash)."""
+        return self.exitcode is not None and self.error is None and self.returned_at is None
+
+    @property
+    def settled(self) -> bool:
+        return self.error is not None or self.returned_at is not None or self.exitcode is not None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _read(state: _Rank, printer: _Printer) -> None:
+    """Take in whatever the rank has written so far, without waiting."""
+    header = _Channel.header
+    while state.fd is not None:
+        try:
+            chunk = os.read(state.fd, 1 << 20)
+        except BlockingIOError:
+            break
+        if not chunk:  # every writer has gone
+            state.close()
+        state.buffer += chunk
+        while len(state.buffer) >= header.size:
+            (size,) = header.unpack_from(state.buffer)
+            if len(state.buffer) < header.size + size:
+                break
+            message = pickle.loads(state.buffer[header.size : header.size + size])
+            del state.buffer[: header.size + size]
+            kind = message[0]
+            if kind == "out":
+                printer.show(state.rank, message[1], message[2])
+            elif kind == "result":
+                state.result, state.returned_at = pickle.loads(message[1]), message[2]
+            elif kind == "error":
+                state.error, state.failed_at, state.collective = message[1].rstrip(), *message[2:]
+
+
+def _supervise(ranks: list[_Rank], procs: list[Any], printer: _Printer) -> None:
+    """Stream the ranks' output until all have returned and exited; WorkerError on a failure.
+
+    Why not ``ProcessContext.join``: it waits for process exits only, so it would neither stream
+    output while it waits nor notice a rank that reported its error and then hangs in cleanup;
+    on a failure it blames whichever exit it happens to see first and, during its grace period,
+    reads nothing, so a rank still printing blocks on its full pipe. Here the output, the
+    results, the errors and the exits are watched together.
+    """
+    failure_seen = returned = None
+    while True:
+        live = [p.sentinel for p in procs if p.exitcode is None]
+        wait([r.fd for r in ranks if r.fd is not None] + live, timeout=_POLL_SECONDS)
+        for state, proc in zip(ranks, procs, strict=True):
+            _read(state, printer)
+            if state.exitcode is None and proc.exitcode is not None:
+                _read(state, printer)  # all it wrote before it ended is in the pipe now
+                state.exitcode, state.exited_at = proc.exitcode, time.time()
+        now = time.monotonic()
+        if any(r.error is not None or r.died for r in ranks):
+            # Wait a moment for the others' outcome: who failed first is decided on all of it.
+            failure_seen = failure_seen or now
+            if all(r.settled for r in ranks) or now - failure_seen > _SETTLE_SECONDS:
+                raise _failure(ranks)
+        elif all(r.returned_at is not None for r in ranks):
+            # Every rank returned: let them leave the group and release what they hold (a rank
+            # stopped in the middle of that leaks semaphores), then stop any that hangs.
+            returned = returned or now
+            if not live or now - returned > _GRACE_SECONDS:
+                return
+
+
+def _stop(procs: list[Any]) -> None:
+    """Stop every rank still running: terminate, wait up to the grace period, then kill.
+
+    ``ProcessContext`` only stops the others after a failed exit; a launch also stops its ranks
+    after an interrupt (KeyboardInterrupt), an error in the parent, or a rank that hangs.
+    """
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + _GRACE_SECONDS
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+# --- showing the ranks' output (Adds: rank 0's lines and progress bar as in a notebook cell) --
 
 
 class _Printer:
@@ -520,219 +732,7 @@ def _new_log_dir(keep: int = 20) -> Path:
     return Path(tempfile.mkdtemp(prefix="run-", dir=root))
 
 
-def launch(
-    worker: Callable[..., Any],
-    placement: Placement | int,
-    *args: Any,
-    device: str | None = None,
-    share_gpus: bool | None = None,
-    backend: str | None = None,
-    init_process_group: bool = True,
-    timeout: float = 120.0,
-    log_dir: str | Path | None = None,
-    echo: bool = True,
-    **kwargs: Any,
-) -> list[Any]:
-    """Run ``worker(env, *args, **kwargs)`` on every rank of ``placement``; their results.
-
-    ``placement``: a :class:`Placement` from ``place(...)`` (what the lessons pass), or a
-    number of ranks, placed with ``place(n, device, share_gpus=..., backend=...)`` (``device``
-    "auto", "cpu" or "cuda"). ``timeout``: seconds a
-    collective may wait before it fails. With ``init_process_group=False`` the worker joins
-    the group itself (``dist.init_process_group(env.backend)``, lesson 04) and sets its own
-    timeout there (``timeout=datetime.timedelta(seconds=...)``; PyTorch's default is long).
-    Logs go to ``log_dir`` (default: a fresh folder under the temp directory's ``mgpu-runs``,
-    which keeps the latest 20 runs). A worker that is not callable, or that cannot be pickled
-    with its arguments, is refused (ValueError) before any process starts.
-    """
-    plan = _placement(placement, device, share_gpus, backend)
-    if timeout <= 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-    payload, sources = _check_worker(worker, args, kwargs)
-    logs = Path(log_dir) if log_dir is not None else _new_log_dir()
-    logs.mkdir(parents=True, exist_ok=True)
-    if echo:
-        print(f"{plan.describe()}; logs in {logs}", flush=True)
-    spec = {
-        "placement": plan,
-        "init": init_process_group,
-        "timeout": timeout,
-        "log_dir": logs,
-        "caller_environ": dict(os.environ),
-        "caller_path": list(sys.path),
-        "caller_cwd": os.getcwd(),
-    }
-    # The parent hosts the rendezvous store on a port the OS picks, so runs never collide;
-    # TORCHELASTIC_USE_AGENT_STORE tells env:// that every rank is a client of it (torchrun's way).
-    world_size = plan.world_size
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        world_size,
-        is_master=True,
-        timeout=datetime.timedelta(seconds=max(timeout, 60.0)),
-        wait_for_workers=False,
-    )
-    ctx = _start_method()
-    ranks: list[_Rank] = []
-    printer = _Printer(echo)
-    common = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(store.port),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCHELASTIC_RESTART_COUNT": "0",  # older torch releases read it in agent-store mode
-        "OMP_NUM_THREADS": str(plan.threads_per_rank),  # for libraries the worker starts
-    }
-    try:
-        for rank in range(world_size):
-            # Passed as an argument, not through os.environ: two launches from two threads
-            # must not see each other's variables.
-            environ = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            read_fd, write_fd = os.pipe()
-            os.set_blocking(read_fd, False)
-            state = _Rank(rank, read_fd, logs / f"rank{rank}.log")
-            ranks.append(state)
-            writer = Connection(write_fd, readable=False)
-            try:
-                state.proc = ctx.Process(
-                    target=_entry,
-                    args=(rank, environ, payload, sources, writer, spec),
-                    name=f"mgpu-rank{rank}",
-                )
-                state.proc.start()
-            finally:
-                writer.close()  # the child has its own copy; the pipe ends when the child does
-        _collect(ranks, printer)
-        _let_exit(ranks, printer)  # every rank returned: let them clean up before any stop
-    finally:
-        _stop([r.proc for r in ranks if r.proc is not None])
-        for state in ranks:
-            try:
-                _read(state, printer)  # every rank's last words, before the error is shown
-            except Exception:  # a garbled message from a rank stopped mid-write: never mind
-                pass
-            finally:
-                state.close()
-        printer.finish()
-        del store
-    return [r.result for r in ranks]
-
-
-def _placement(
-    placement: Placement | int, device: str | None, share_gpus: bool | None, backend: str | None
-) -> Placement:
-    """The placement a launch runs on: the one given, or ``place()`` of a number of ranks."""
-    if isinstance(placement, Placement):
-        given = [
-            f"{k}="
-            for k, v in (("device", device), ("share_gpus", share_gpus), ("backend", backend))
-            if v is not None
-        ]
-        if given:
-            raise ValueError(
-                f"launch(worker, placement) takes the devices and backend from the placement; "
-                f"drop {', '.join(given)} or pass them to place(...)"
-            )
-        return placement
-    return place(placement, device or "auto", share_gpus=bool(share_gpus), backend=backend)
-
-
-def _start_method() -> mp.context.BaseContext:
-    """The fork server, with this module (and so torch) preloaded; spawn where there is none.
-
-    What it adds to spawn: each rank is forked from a process that has already imported torch,
-    instead of importing it again (about 2 s of CPU per rank, measured on a laptop core). It
-    keeps spawn's safety: the server is a fresh interpreter that never touches CUDA, so the
-    caller may have used CUDA before. The server lives as long as the caller.
-    """
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    return ctx
-
-
-@dataclass
-class _Rank:
-    """What the parent knows about one rank while the launch runs."""
-
-    rank: int
-    fd: int | None  # reading end of the rank's pipe
-    log: Path
-    proc: Any = None
-    buffer: bytearray = field(default_factory=bytearray)
-    result: Any = None
-    returned_at: float | None = None  # when the worker returned (time.time() in the child)
-    error: str | None = None  # its traceback
-    failed_at: float | None = None
-    collective: str | None = None  # the torch.distributed call it failed in ("" unknown)
-    exitcode: int | None = None
-    exited_at: float | None = None  # when the parent saw the process end
-
-    @property
-    def died(self) -> bool:
-        """Ended without a result and without a traceback (os._exit, a signal, a crash)."""
-        return self.exitcode is not None and self.error is None and self.returned_at is None
-
-    @property
-    def settled(self) -> bool:
-        return self.error is not None or self.returned_at is not None or self.exitcode is not None
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def _read(state: _Rank, printer: _Printer) -> None:
-    """Take in whatever the rank has written so far, without waiting."""
-    header = _Channel.header
-    while state.fd is not None:
-        try:
-            chunk = os.read(state.fd, 1 << 20)
-        except BlockingIOError:
-            break
-        if not chunk:  # every writer has gone
-            state.close()
-        state.buffer += chunk
-        while len(state.buffer) >= header.size:
-            (size,) = header.unpack_from(state.buffer)
-            if len(state.buffer) < header.size + size:
-                break
-            message = pickle.loads(state.buffer[header.size : header.size + size])
-            del state.buffer[: header.size + size]
-            _handle(state, message, printer)
-
-
-def _handle(state: _Rank, message: tuple, printer: _Printer) -> None:
-    kind = message[0]
-    if kind == "out":
-        printer.show(state.rank, message[1], message[2])
-    elif kind == "result":
-        state.result, state.returned_at = pickle.loads(message[1]), message[2]
-    elif kind == "error":
-        state.error, state.failed_at, state.collective = message[1].rstrip(), *message[2:]
-
-
-def _collect(ranks: list[_Rank], printer: _Printer) -> None:
-    """Wait for every rank's result; raise WorkerError soon after one rank fails."""
-    settle_until = None
-    while not all(r.returned_at is not None for r in ranks):
-        pending = [r.proc.sentinel for r in ranks if r.exitcode is None]
-        wait([r.fd for r in ranks if r.fd is not None] + pending, timeout=_POLL_SECONDS)
-        for state in ranks:
-            _read(state, printer)
-            if state.exitcode is None and state.proc.exitcode is not None:
-                _read(state, printer)  # all it wrote before it ended is in the pipe now
-                state.exitcode, state.exited_at = state.proc.exitcode, time.time()
-        if any(r.error is not None or r.died for r in ranks):
-            # Wait a moment for the others' outcome: who failed first is decided on all of it.
-            if settle_until is None:
-                settle_until = time.monotonic() + _SETTLE_SECONDS
-            if all(r.settled for r in ranks) or time.monotonic() > settle_until:
-                raise _failure(ranks)
+# --- who failed first (Adds: attribution over every rank's outcome, not the first exit seen) --
 
 
 _SIGNAL_CAUSES = {
@@ -876,30 +876,12 @@ def _failure(ranks: list[_Rank]) -> WorkerError:
     )
 
 
-def _let_exit(ranks: list[_Rank], printer: _Printer) -> None:
-    """Wait up to the grace period for ranks that have returned to exit on their own.
-
-    They still leave the process group and release what they hold (tqdm's semaphore, for one);
-    a rank stopped in the middle of that leaves leaked resources behind.
-    """
-    deadline = time.monotonic() + _GRACE_SECONDS
-    while time.monotonic() < deadline:
-        running = [r.proc.sentinel for r in ranks if r.proc.exitcode is None]
-        if not running:
-            return
-        wait([r.fd for r in ranks if r.fd is not None] + running, timeout=_POLL_SECONDS)
-        for state in ranks:
-            _read(state, printer)  # a rank blocked writing to a full pipe could not exit
+# TEMPORARY aliases (issue 9): notebooks and tests move to mgpu_helpers.placement.place and
+# mgpu_helpers.dist_env.DistEnv (imported above, so ``from mgpu_helpers.launch import DistEnv``
+# still works); the lead deletes these once nothing uses them.
+LaunchPlan = Placement  # TEMPORARY alias (issue 9)
 
 
-def _stop(procs: list) -> None:
-    """Stop every child still running: terminate, wait a moment, then kill."""
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    deadline = time.monotonic() + _GRACE_SECONDS
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+def plan_launch(world_size: int, device: str = "auto", **kwargs: Any) -> Placement:
+    """Deprecated: use :func:`mgpu_helpers.placement.place`."""
+    return place(world_size, device, **kwargs)  # TEMPORARY alias (issue 9)
