@@ -25,7 +25,7 @@ same time; on two GPUs a value <= 0 for M >= 2 means the schedule serialised). E
 clock counts from its own origin event, and the origins are recorded one after the other, so
 between two GPUs the value is good to a few microseconds: read only a clear margin as overlap.
 
-    PYTHONPATH=. python benchmarks/pipeline.py                     # devices from the course plan
+    PYTHONPATH=. python benchmarks/pipeline.py   # devices: place(2, share_gpus=True)
     PYTHONPATH=. python benchmarks/pipeline.py --devices cuda:0,cuda:1 --micro 1 2 4 8 16
     PYTHONPATH=. python benchmarks/pipeline.py --quick --out benchmarks/results/pipeline.json
 """
@@ -51,7 +51,6 @@ from torch import Tensor, nn
 # Run from a source checkout without installing: put the repository root on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mgpu_helpers.devices import course_plan  # noqa: E402
 from mgpu_helpers.model_parallel import (  # noqa: E402
     Event,
     Timeline,
@@ -63,6 +62,7 @@ from mgpu_helpers.model_parallel import (  # noqa: E402
     run_stages,
 )
 from mgpu_helpers.models import count_parameters, mlp  # noqa: E402
+from mgpu_helpers.placement import place  # noqa: E402
 from mgpu_helpers.timing import synchronize  # noqa: E402
 from mgpu_helpers.util import write_json  # noqa: E402
 
@@ -209,7 +209,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
     if args.devices is None:
-        args.devices = ",".join(course_plan(n_devices=2).devices)
+        args.devices = ",".join(place(2, share_gpus=True).devices)
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
     if len(devices) < 2:
         parser.error(f"--devices needs two or more devices (one per stage), got {args.devices!r}")
