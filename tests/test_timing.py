@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 
-import mgpu_helpers.timing as timing
 from mgpu_helpers.timing import Timing, compare, measure, measure_alternating, synchronize
 
 
@@ -29,7 +28,11 @@ def test_measure_without_warmup():
 
 def test_measure_synchronises_after_warmup_and_after_every_timed_call(monkeypatch):
     events: list[str] = []
-    monkeypatch.setattr(timing, "synchronize", lambda device: events.append(f"sync {device}"))
+
+    def record_sync(device: str) -> None:
+        events.append(f"sync {device}")
+
+    monkeypatch.setattr("mgpu_helpers.timing.synchronize", record_sync)
     measure(lambda: events.append("call"), "cuda:0", warmup=2, repeats=3)
     assert events == ["call", "call", "sync cuda:0"] + ["call", "sync cuda:0"] * 3
 
@@ -52,7 +55,7 @@ def test_timing_median_spread_and_str():
 
 def test_measure_median_ignores_one_slow_repeat(monkeypatch):
     clock = iter([0.0, 1.0, 10.0, 11.0, 20.0, 121.0, 130.0, 131.0])  # durations 1, 1, 101, 1
-    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))  # timing.py's clock
     result = measure(lambda: None, warmup=0, repeats=4)
     assert result.times == (1.0, 1.0, 101.0, 1.0)
     assert result.median == 1.0
@@ -113,7 +116,7 @@ def test_measure_on_several_devices_waits_for_all_of_them(monkeypatch):
 
 def test_measure_alternating_runs_in_rotating_rounds(monkeypatch):
     events: list[str] = []
-    monkeypatch.setattr(timing, "synchronize", lambda device: events.append("sync"))
+    monkeypatch.setattr("mgpu_helpers.timing.synchronize", lambda device: events.append("sync"))
     fns = {name: (lambda name=name: events.append(name)) for name in ("a", "b", "c")}
     result = measure_alternating(fns, "cuda:0", warmup=1, repeats=3)
     assert events == (
