@@ -1,8 +1,10 @@
 """Lesson parameters in one validated dataclass (every lesson's first cells).
 
 Each notebook's first code cell, tagged ``parameters``, holds plain values; the next cell builds a
-:class:`LessonConfig` from them. Quick mode (``MGPU_QUICK=1`` or ``quick=True``) shrinks data and
-epochs so the whole course runs in minutes on a laptop; the tests always use it. The data folder
+:class:`LessonConfig` from them, ``cfg = apply_quick(LessonConfig(...))``. The config is a plain
+frozen value: change it with ``dataclasses.replace``. Quick mode (``MGPU_QUICK=1``, read by
+:func:`apply_quick`) caps data and epochs so the whole course runs in minutes on a laptop; the
+tests always use it. The data folder
 is found from the course's top folder, not from where a kernel happens to run
 (:func:`resolve_data_dir`).
 """
@@ -10,7 +12,7 @@ is found from the course's top folder, not from where a kernel happens to run
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 __all__ = [
@@ -96,7 +98,8 @@ class LessonConfig:
     momentum: float = 0.9  # SGD momentum
     world_size: int = 2  # processes/devices for the multi-device lessons
     seed: int = 0  # seeds torch, numpy and Python's random, and the data order
-    quick: bool = field(default_factory=quick_from_env)  # tiny data, few epochs (tests, laptops)
+    # True once apply_quick capped epochs and samples (tests, laptops); set it through apply_quick
+    quick: bool = False
     train_samples: int | None = None  # cap on training samples (None: all; quick mode caps)
     test_samples: int | None = None  # cap on test samples (None: all; quick mode caps)
     # where torchvision data sets are read and downloaded; None: $MGPU_DATA, else data/ in the
@@ -134,24 +137,20 @@ class LessonConfig:
             isinstance(self.data_dir, (str, os.PathLike)) and str(self.data_dir)
         ):
             raise ValueError(f"data_dir must be a folder (a path) or None, got {self.data_dir!r}")
-        # What was asked for before quick mode capped it, so replace(quick=False) can undo it.
-        requested = {name: getattr(self, name) for name in QUICK_LIMITS}
-        object.__setattr__(self, "_requested", requested)
-        if self.quick:  # apply the caps once, so every reader sees the sizes actually used
-            object.__setattr__(self, "epochs", min(self.epochs, QUICK_LIMITS["epochs"]))
-            for name in ("train_samples", "test_samples"):
-                cap = QUICK_LIMITS[name]
-                value = getattr(self, name)
-                object.__setattr__(self, name, cap if value is None else min(value, cap))
-
-    def replace(self, **changes: object) -> LessonConfig:
-        """A copy with some fields changed, validated again.
-
-        Sizes that quick mode capped start from what was asked for, so ``replace(quick=False)``
-        gives the full run back.
-        """
-        base = {k: v for k, v in getattr(self, "_requested", {}).items() if k not in changes}
-        return replace(self, **base, **changes)
+        if not isinstance(self.quick, bool):
+            raise ValueError(f"quick must be True or False, got {self.quick!r}")
+        if self.quick:  # quick=True promises the caps: say how to get them instead of guessing
+            over = [
+                f"{name}={getattr(self, name)}"
+                for name, cap in QUICK_LIMITS.items()
+                if getattr(self, name) is None or getattr(self, name) > cap
+            ]
+            if over:
+                raise ValueError(
+                    f"quick=True marks a config that quick mode capped, but {', '.join(over)} "
+                    f"exceed QUICK_LIMITS {QUICK_LIMITS}; build it with "
+                    "apply_quick(LessonConfig(...), True) instead of passing quick=True"
+                )
 
     def describe(self) -> str:
         """One readable line per field, with a note when quick mode shrank the run."""

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mgpu_helpers.config import course_root
-from mgpu_helpers.devices import Hardware, course_plan, describe_hardware, nvidia_smi
+from mgpu_helpers.devices import Hardware, describe_hardware, nvidia_smi
+from mgpu_helpers.placement import place
 
 __all__ = ["LEVELS", "PINNED", "Finding", "diagnose", "exit_code", "first"]
 
@@ -327,6 +328,7 @@ def diagnose(
                 "pip install -r requirements.txt",
             )
         )
-    plan = course_plan(len(hw.gpus))
-    findings.append(Finding("info", "plan", "\n".join([plan.banner(), *plan.notes])))
+    # Where the multi-device lessons' ranks would run: one per GPU, at least two (lesson 00).
+    placement = place(max(2, len(hw.gpus)), share_gpus=True, n_gpus=len(hw.gpus))
+    findings.append(Finding("info", "placement", "\n".join([placement.banner(), *placement.notes])))
     return tuple(findings)

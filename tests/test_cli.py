@@ -66,7 +66,7 @@ def test_mgpu_doctor_command_runs():
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.startswith("== mgpu doctor ==")
     assert "status: ok" in out.stdout
-    assert "\ndriver " in out.stdout and "\nplan " in out.stdout
+    assert "\ndriver " in out.stdout and "\nplacement " in out.stdout
 
 
 # --- mgpu course / student / clean (no kernels: the runner is replaced) ---------------------

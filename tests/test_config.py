@@ -91,24 +91,42 @@ def test_config_is_frozen(no_quick):
         cfg.epochs = 3  # type: ignore[misc]
 
 
-def test_quick_mode_caps_epochs_and_samples(no_quick):
-    cfg = LessonConfig(quick=True, epochs=50)
-    assert cfg.epochs == QUICK_LIMITS["epochs"]
-    assert cfg.train_samples == QUICK_LIMITS["train_samples"]
-    assert cfg.test_samples == QUICK_LIMITS["test_samples"]
+def test_quick_true_without_the_caps_is_refused_with_the_fix(no_quick):
+    with pytest.raises(ValueError, match=r"epochs=50.*apply_quick\(LessonConfig\(\.\.\.\), True\)"):
+        LessonConfig(quick=True, epochs=50, train_samples=10, test_samples=10)
+    with pytest.raises(ValueError, match="train_samples=None"):  # None means all: not capped
+        LessonConfig(quick=True, epochs=1)
 
 
-def test_quick_mode_keeps_smaller_values(no_quick):
-    cfg = LessonConfig(
-        quick=True, epochs=1, train_samples=10, test_samples=QUICK_LIMITS["test_samples"] + 1
-    )
-    assert (cfg.epochs, cfg.train_samples) == (1, 10)
-    assert cfg.test_samples == QUICK_LIMITS["test_samples"]
+def test_quick_true_with_the_caps_is_a_valid_value(no_quick):
+    cfg = LessonConfig(quick=True, epochs=1, train_samples=10, test_samples=10)
+    assert (cfg.quick, cfg.epochs, cfg.train_samples, cfg.test_samples) == (True, 1, 10, 10)
 
 
-def test_quick_mode_still_validates_first(no_quick):
-    with pytest.raises(ValueError, match="epochs"):
-        LessonConfig(quick=True, epochs=0)
+@pytest.mark.parametrize("quick", [1, "yes", None])
+def test_quick_must_be_a_bool(no_quick, quick):
+    with pytest.raises(ValueError, match="^quick must be True or False"):
+        LessonConfig(quick=quick)
+
+
+def test_validation_never_changes_a_field(no_quick):
+    values = {"epochs": 50, "train_samples": 100_000, "test_samples": None, "quick": False}
+    cfg = LessonConfig(**values)
+    assert {k: getattr(cfg, k) for k in values} == values
+    assert set(vars(cfg)) == {f.name for f in dataclasses.fields(LessonConfig)}  # no hidden state
+
+
+def test_the_config_is_a_plain_dataclass(no_quick):
+    assert not hasattr(LessonConfig, "replace"), "use dataclasses.replace(cfg, ...)"
+    cfg = LessonConfig(epochs=20)
+    assert dataclasses.replace(cfg, quick=False) == cfg
+
+
+@pytest.mark.parametrize("value", ["1", "0", "yes please"])
+def test_building_a_config_ignores_mgpu_quick(monkeypatch, value):
+    monkeypatch.setenv("MGPU_QUICK", value)  # only apply_quick reads it, even when it is bad
+    cfg = LessonConfig()
+    assert cfg.quick is False and cfg.epochs == 10 and cfg.train_samples is None
 
 
 @pytest.mark.parametrize(
@@ -128,7 +146,7 @@ def test_quick_mode_still_validates_first(no_quick):
 def test_quick_from_env_parses_the_usual_spellings(monkeypatch, value, expected):
     monkeypatch.setenv("MGPU_QUICK", value)
     assert quick_from_env() is expected
-    assert LessonConfig().quick is expected  # read when the config is built, not at import
+    assert apply_quick(LessonConfig()).quick is expected  # read when applied, not at import
 
 
 def test_quick_from_env_unset_means_full(no_quick):
@@ -141,19 +159,12 @@ def test_quick_from_env_rejects_other_values(monkeypatch, value):
     with pytest.raises(ValueError, match=f"MGPU_QUICK must be 1 or 0.*{value.strip().lower()!r}"):
         quick_from_env()
     with pytest.raises(ValueError, match="MGPU_QUICK"):
-        LessonConfig()
+        apply_quick(LessonConfig())
 
 
-def test_explicit_quick_overrides_the_environment(monkeypatch):
-    monkeypatch.setenv("MGPU_QUICK", "1")
-    assert LessonConfig(quick=False).epochs == 10
-    monkeypatch.setenv("MGPU_QUICK", "0")
-    assert LessonConfig(quick=True).epochs == QUICK_LIMITS["epochs"]
-
-
-def test_replace_changes_fields_and_keeps_the_rest(no_quick):
+def test_dataclasses_replace_changes_fields_and_keeps_the_rest(no_quick):
     cfg = LessonConfig(batch_size=32, seed=7)
-    new = cfg.replace(dataset="synthetic", epochs=3)
+    new = dataclasses.replace(cfg, dataset="synthetic", epochs=3)
     assert (new.dataset, new.epochs, new.batch_size, new.seed) == ("synthetic", 3, 32, 7)
     assert cfg.dataset == "digits"  # the original is untouched
 
@@ -161,34 +172,17 @@ def test_replace_changes_fields_and_keeps_the_rest(no_quick):
 @pytest.mark.parametrize(
     "change", [{"batch_size": 0}, {"dataset": "imagenet"}, {"lr": -1.0}, {"momentum": 1.0}]
 )
-def test_replace_revalidates(no_quick, change):
+def test_dataclasses_replace_revalidates(no_quick, change):
     with pytest.raises(ValueError, match=next(iter(change))):
-        LessonConfig().replace(**change)
-
-
-def test_replace_applies_quick_caps(no_quick):
-    assert LessonConfig(epochs=20).replace(quick=True).epochs == QUICK_LIMITS["epochs"]
-    quick = LessonConfig(quick=True)
-    assert quick.replace(epochs=100).epochs == QUICK_LIMITS["epochs"]
+        dataclasses.replace(LessonConfig(), **change)
 
 
 def test_describe_lists_every_field_and_the_quick_note(no_quick):
-    text = LessonConfig(quick=True).describe()
+    text = apply_quick(LessonConfig(), True).describe()
     for f in dataclasses.fields(LessonConfig):
         assert f.name in text
     assert "MGPU_QUICK=0" in text
     assert "quick mode" not in LessonConfig(quick=False).describe()
-
-
-def test_leaving_quick_mode_restores_the_requested_sizes(no_quick):
-    quick = LessonConfig(epochs=20, train_samples=5000, quick=True)
-    assert (quick.epochs, quick.train_samples) == (
-        QUICK_LIMITS["epochs"],
-        QUICK_LIMITS["train_samples"],
-    )
-    full = quick.replace(quick=False)
-    assert (full.epochs, full.train_samples, full.test_samples) == (20, 5000, None)
-    assert quick.replace(quick=False, epochs=7).epochs == 7
 
 
 # --- apply_quick: quick mode as one explicit function that returns a new config -------------

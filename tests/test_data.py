@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import struct
@@ -15,7 +16,7 @@ import torchvision
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from mgpu_helpers.config import QUICK_LIMITS, LessonConfig
+from mgpu_helpers.config import QUICK_LIMITS, LessonConfig, apply_quick
 from mgpu_helpers.data import (
     INFO,
     build_datasets,
@@ -113,7 +114,7 @@ def test_build_datasets_digits_full(no_quick, digits_data):
 
 
 def test_build_datasets_caps_in_quick_mode(no_quick):
-    train, test, info = build_datasets(LessonConfig(quick=True))
+    train, test, info = build_datasets(apply_quick(LessonConfig(), True))
     assert len(train) == QUICK_LIMITS["train_samples"]
     assert len(test) == QUICK_LIMITS["test_samples"]
     assert isinstance(train, Subset) and info.image_size == 8
@@ -276,7 +277,7 @@ def test_cifar10_without_augmentation_gives_the_same_image_every_time(cifar_root
     train, _, _ = build_datasets(cfg)
     views = [train[0][0] for _ in range(8)]
     assert all(torch.equal(views[0], v) for v in views[1:])
-    augmented, _, _ = build_datasets(cfg.replace(augment=True))
+    augmented, _, _ = build_datasets(dataclasses.replace(cfg, augment=True))
     torch.manual_seed(0)
     assert any(not torch.equal(augmented[0][0], views[0]) for _ in range(8))
 

@@ -15,8 +15,9 @@ import textwrap
 import pytest
 import torch
 
-from mgpu_helpers.devices import GpuInfo, course_plan, describe_hardware
+from mgpu_helpers.devices import GpuInfo, describe_hardware
 from mgpu_helpers.doctor import LEVELS, Finding, diagnose, exit_code, first
+from mgpu_helpers.placement import place
 
 QUERY = ("--query-gpu=index,name,driver_version,memory.total", "--format=csv,noheader")
 NAMES = ("-L",)
@@ -96,8 +97,9 @@ def test_diagnose_here_reports_the_facts_and_no_problem(monkeypatch):
     assert all(f.level in LEVELS for f in findings)
     assert exit_code(findings) == 0, [f for f in findings if f.level == "problem"]
     assert torch.__version__ in first(findings, "torch").message
-    plan = course_plan(torch.cuda.device_count())
-    assert first(findings, "plan").message.splitlines()[0] == plan.banner()
+    n = torch.cuda.device_count()
+    placement = place(max(2, n), share_gpus=True, n_gpus=n)
+    assert first(findings, "placement").message.splitlines()[0] == placement.banner()
     assert first(findings, "disk").level == "ok"
     assert first(findings, "driver").level in ("ok", "info")
 

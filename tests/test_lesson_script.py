@@ -291,5 +291,5 @@ def test_lesson_00_runs_as_a_script_in_quick_mode(tmp_path: Path) -> None:
     )
     assert report["mode"] == "script"
     assert report["checks"] and all(report["checks"].values())
-    assert {"gpus", "plan_mode", "devices_healthy"} <= set(report["results"])
+    assert {"gpus", "placement_device_type", "devices_healthy"} <= set(report["results"])
     assert report["figures"] and (out / "00_setup" / report["figures"][0]).is_file()
