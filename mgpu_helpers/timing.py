@@ -1,8 +1,9 @@
-"""Timing device work honestly (lesson 01; every speed number in the course).
+"""Timing device work honestly (every speed number in the course, from lesson 02 on).
 
 GPU kernels run asynchronously: a Python timer around a CUDA call measures only the launch.
 :func:`measure` synchronises the device before reading the clock, runs warm-up calls first
-(allocator, cuDNN autotuning, caches) and reports the median of several repeats.
+(allocator, cuDNN autotuning, caches) and reports the median of several repeats: the rules
+lesson 01 writes out by hand, and checks this function against.
 
 Comparing two ways of doing the same work (lesson 03's one device against ``nn.DataParallel``)
 needs more care on a busy machine: :func:`measure_alternating` times them in turns, one call of
