@@ -1,25 +1,40 @@
-"""Lesson 04: DDP with real processes over gloo, checked against one process."""
+"""Lesson 04: DDP with real processes over gloo, checked against one process.
+
+The workers are the lesson's, copied into ``ddp_workers.py`` (the lesson writes them in its
+cells); the first test keeps the copy of the training worker equal to the notebook's.
+"""
 
 from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-
-from mgpu_helpers.config import LessonConfig
-from mgpu_helpers.ddp import (
+from ddp_workers import (
     ddp_step_worker,
-    load_checkpoint,
-    per_rank_batch_size,
     reference_steps,
     sampler_indices_worker,
-    save_checkpoint,
     throughput_worker,
-    train_worker,
-    wrap_ddp,
+    train_ddp,
+    wrap,
 )
-from mgpu_helpers.launch import DistEnv, launch
+
+from mgpu_helpers.config import LessonConfig, apply_quick
+from mgpu_helpers.diffs import lesson_function
+from mgpu_helpers.dist_env import DistEnv
+from mgpu_helpers.launch import launch
 from mgpu_helpers.models import small_cnn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_copied_training_worker_is_the_lessons() -> None:
+    import inspect
+
+    lesson = lesson_function("04", "train_ddp", folder=ROOT / "notebooks")
+    assert inspect.getsource(train_ddp) == lesson, "update tests/ddp_workers.py from lesson 04"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -50,44 +65,50 @@ def test_distributed_sampler_covers_every_sample_once_per_epoch(world_size: int)
     assert seen[0][0] != seen[0][1], "set_epoch should reshuffle between epochs"
 
 
-def test_forgetting_set_epoch_repeats_the_order_and_a_plain_loader_duplicates_data() -> None:
+def test_forgetting_set_epoch_repeats_the_order() -> None:
     seen = launch(sampler_indices_worker, 2, 24, 2, False, device="cpu", echo=False)
     assert seen[0][0] == seen[0][1], "without set_epoch every epoch has the same order"
 
 
 def checkpoint_worker(env: DistEnv, path: str) -> list[float]:
+    """Lesson 04, section 7: rank 0 writes, every rank waits, then reads onto its device."""
     torch.manual_seed(env.rank)  # different weights per rank, on purpose
-    model = wrap_ddp(small_cnn(), env)
+    model = wrap(small_cnn(), env)  # DDP broadcasts rank 0's
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    save_checkpoint(path, model, optimizer, env, epoch=3)
-    fresh = small_cnn()
-    epoch = load_checkpoint(path, fresh, None, env.device)
-    first = next(fresh.parameters()).flatten()[:3]
-    assert epoch == 3
+    if env.is_main:
+        state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}
+        torch.save(state, path)
     dist.barrier()
-    return first.tolist()
+    fresh = small_cnn()
+    fresh.load_state_dict(torch.load(path, map_location=env.device, weights_only=True)["model"])
+    return next(fresh.parameters()).flatten()[:3].tolist()
 
 
-def test_checkpoint_is_written_by_rank_zero_and_read_by_all(tmp_path) -> None:
+def test_checkpoint_is_written_by_rank_zero_and_read_by_all(tmp_path: Path) -> None:
     path = str(tmp_path / "ckpt.pt")
     firsts = launch(checkpoint_worker, 2, path, device="cpu", echo=False)
     torch.manual_seed(0)
     expected = next(small_cnn().parameters()).flatten()[:3].tolist()
     assert firsts == [pytest.approx(expected), pytest.approx(expected)]
+    assert not any(k.startswith("module.") for k in torch.load(path, weights_only=True)["model"])
 
 
-def test_train_worker_learns_and_reports_global_metrics(monkeypatch) -> None:
-    monkeypatch.setenv("MGPU_QUICK", "0")
-    cfg = LessonConfig(epochs=3, batch_size=64, progress=False)
-    results = launch(train_worker, 2, cfg, device="cpu", echo=False)
-    h0, h1 = results[0]["history"], results[1]["history"]
-    assert h0.test_acc == h1.test_acc  # reduced: every rank reports the same numbers
+def test_the_lessons_worker_learns_reports_global_metrics_and_checkpoints(tmp_path: Path) -> None:
+    cfg = LessonConfig(epochs=3, batch_size=64, progress=False)  # all the digits
+    path = str(tmp_path / "trained.pt")
+    h0, h1 = launch(train_ddp, 2, cfg, path, device="cpu", echo=False)
+    for metric in ("train_loss", "train_acc", "test_loss", "test_acc"):
+        assert getattr(h0, metric) == getattr(h1, metric), f"{metric} not reduced"
     assert h0.test_acc[-1] > 0.85
     assert h0.train_loss[-1] < h0.train_loss[0]
+    assert h0.samples_per_sec[0] > 0
+    state = torch.load(path, weights_only=True)
+    assert set(state) == {"model", "optimizer"}
+    assert not any(k.startswith("module.") for k in state["model"])
 
 
 def test_throughput_worker_returns_a_rate() -> None:
-    cfg = LessonConfig(batch_size=16, model="mlp", quick=True, progress=False)
+    cfg = apply_quick(LessonConfig(batch_size=16, model="mlp", progress=False), True)
     rates = launch(throughput_worker, 2, cfg, 3, device="cpu", echo=False)
     assert rates[0] == rates[1] > 0
 
@@ -103,27 +124,18 @@ def alone_then_together(env: DistEnv, cfg_1: LessonConfig, cfg_n: LessonConfig) 
 
 
 def test_throughput_of_one_rank_and_of_all_in_one_launch() -> None:
-    cfg = LessonConfig(model="mlp", quick=True, progress=False)
+    cfg = apply_quick(LessonConfig(model="mlp", progress=False), True)
     results = launch(
         alone_then_together,
         2,
-        cfg.replace(batch_size=8),
-        cfg.replace(batch_size=16),
+        replace(cfg, batch_size=8),
+        replace(cfg, batch_size=16),
         device="cpu",
         echo=False,
     )
     assert results[0]["solo"] > 0 and results[1]["solo"] is None
     assert results[0]["together"] == results[1]["together"] > 0
     assert all(r["threads"][0] == r["threads"][1] for r in results)  # like for like
-
-
-@pytest.mark.parametrize(("b", "n", "ok"), [(64, 2, 32), (63, 2, None), (10, 3, None)])
-def test_per_rank_batch_size(b: int, n: int, ok: int | None) -> None:
-    if ok is None:
-        with pytest.raises(ValueError, match="multiple of"):
-            per_rank_batch_size(b, n)
-    else:
-        assert per_rank_batch_size(b, n) == ok
 
 
 @pytest.mark.multigpu

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ddp_workers import ddp_step_worker, has_batch_norm, reference_steps, step_model
 
-from mgpu_helpers.ddp import ddp_step_worker, has_batch_norm, reference_steps, step_model
 from mgpu_helpers.devices import gpu_count
 from mgpu_helpers.launch import WorkerError, launch
 

@@ -1,0 +1,225 @@
+"""The DDP workers of lesson 04, copied for the tests (the lesson writes its own in its cells).
+
+``train_ddp`` is the lesson's section 6 worker, line for line (``test_ddp.py`` checks that the
+copy still matches the notebook); the others are the step-by-step proofs (sections 4-5), the
+sampler demonstration (section 3) and the throughput measurement (section 8).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from mgpu_helpers.config import LessonConfig
+from mgpu_helpers.data import build_datasets, make_loader
+from mgpu_helpers.ddp import evaluate_distributed
+from mgpu_helpers.devices import full_float32
+from mgpu_helpers.dist_env import DistEnv
+from mgpu_helpers.models import build_model, resnet_cifar, small_cnn
+from mgpu_helpers.timing import synchronize
+from mgpu_helpers.train import EpochResult, History, seed_everything
+
+
+def wrap(model: nn.Module, env: DistEnv, group: dist.ProcessGroup | None = None) -> DDP:
+    """The lesson's DDP wrap: on this rank's device, ``device_ids`` on a GPU only."""
+    ids = [env.device.index] if env.device.type == "cuda" else None
+    return DDP(model.to(env.device), device_ids=ids, process_group=group)
+
+
+def has_batch_norm(model: nn.Module) -> bool:
+    return any(isinstance(m, _BatchNorm) for m in model.modules())
+
+
+# --- lesson 04, section 6 (a copy of the notebook's cell; keep them equal) --------------------
+def train_ddp(env, cfg, checkpoint, sync_bn=False):
+    """Train cfg's model with DDP on this rank; rank 0 saves `checkpoint`; returns the History."""
+    device = env.device  # this rank's device
+    seed_everything(cfg.seed)  # rank 0's initial weights and data order; DDP copies the weights
+    train_set, test_set, info = build_datasets(cfg)
+    sampler = DistributedSampler(train_set, env.world_size, env.rank, seed=cfg.seed)
+    batch = cfg.batch_size // env.world_size  # per rank; the ranks together make the global batch
+    train_loader = make_loader(train_set, batch, device, sampler=sampler)
+    test_sampler = DistributedSampler(test_set, env.world_size, env.rank, shuffle=False)
+    test_loader = make_loader(test_set, 256, device, sampler=test_sampler)
+    model = build_model(cfg.model, info)
+    if sync_bn:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # before the wrap
+    model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    history = History()
+    for epoch in range(cfg.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
+        model.train()
+        sums = torch.zeros(3, device=device)  # loss x samples, correct answers, samples
+        start = time.perf_counter()
+        for inputs, targets in train_loader:
+            inputs, targets = inputs.to(device), targets.to(device)
+            outputs = model(inputs)
+            loss = F.cross_entropy(outputs, targets)
+            optimizer.zero_grad()
+            loss.backward()  # DDP averages the gradients over the ranks during this call
+            optimizer.step()
+            sums[0] += loss.detach() * len(targets)
+            sums[1] += (outputs.argmax(dim=1) == targets).sum()
+            sums[2] += len(targets)
+        dist.all_reduce(sums)  # the sums over all ranks, on every rank; waits for the slowest
+        loss_sum, correct, samples = sums.tolist()  # waits for the device: one read per epoch
+        seconds = time.perf_counter() - start
+        result = EpochResult(loss_sum / samples, correct / samples, int(samples), seconds)
+        test = evaluate_distributed(model, test_loader, device)  # each test sample counted once
+        history.append(epoch + 1, result, test)
+        if env.is_main:
+            print(f"epoch {epoch + 1}: train loss {result.loss:.4f}, test acc {test.accuracy:.3f}")
+    if env.is_main:  # every rank holds the same weights: one writes them
+        state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}
+        torch.save(state, checkpoint)
+    dist.barrier()  # outside the if: no rank goes on before the file is complete
+    return history
+
+
+# --- sections 4 and 5 --------------------------------------------------------------------------
+def fixed_batches(steps: int, global_batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(steps, global_batch, 1, 8, 8, generator=g)
+    return x, torch.randint(0, 10, (steps, global_batch), generator=g)
+
+
+def step_model(name: str = "cnn") -> nn.Module:
+    """The small CNN, or the course's ResNet (BatchNorm) narrowed to width 8 for 8x8 inputs."""
+    if name == "cnn":
+        return small_cnn()
+    if name == "resnet":
+        return resnet_cifar(in_channels=1, width=8)
+    raise ValueError(f"model={name!r} is unknown here; choose 'cnn' or 'resnet'")
+
+
+def _first_batch_norm(model: nn.Module) -> _BatchNorm | None:
+    return next((m for m in model.modules() if isinstance(m, _BatchNorm)), None)
+
+
+def ddp_step_worker(
+    env: DistEnv,
+    steps: int,
+    per_rank: int,
+    seed: int = 0,
+    model: str = "cnn",
+    sync_bn: bool = False,
+) -> dict[str, Any]:
+    """``steps`` DDP steps, each rank on its own slice of fixed global batches (TF32 off)."""
+    full_float32()
+    torch.manual_seed(seed + env.rank)  # a different start on every rank, on purpose
+    net = step_model(model)
+    before_wrap = next(net.parameters()).detach().clone()
+    if sync_bn:
+        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    ddp = wrap(net, env)  # broadcasts rank 0's parameters and buffers
+    after_wrap = next(net.parameters()).detach().cpu().clone()
+    bn = _first_batch_norm(net)
+    entering: list[torch.Tensor] = []
+    leaving: list[torch.Tensor] = []
+    if bn is not None:  # inside DDP's forward, after its buffer broadcast
+        net.register_forward_pre_hook(lambda m, a: entering.append(bn.running_mean.cpu().clone()))
+        net.register_forward_hook(lambda m, a, o: leaving.append(bn.running_mean.cpu().clone()))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    x, y = fixed_batches(steps, per_rank * env.world_size, seed + 1)
+    mine = slice(env.rank * per_rank, (env.rank + 1) * per_rank)
+    first_grads, first_loss = None, None
+    for s in range(steps):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(ddp(x[s, mine].to(env.device)), y[s, mine].to(env.device))
+        loss.backward()
+        if s == 0:
+            first_loss = loss.item()
+            first_grads = [p.grad.detach().cpu().clone() for p in ddp.parameters()]
+        optimizer.step()
+    return {
+        "params": {k: v.detach().cpu() for k, v in net.state_dict().items()},
+        "first_grads": first_grads,
+        "first_loss": first_loss,
+        "before_wrap": before_wrap,
+        "after_wrap": after_wrap,
+        "bn_entering": entering,
+        "bn_leaving": leaving,
+    }
+
+
+def reference_steps(steps: int, global_batch: int, seed: int = 0, model: str = "cnn") -> dict:
+    """The same steps in one process on the whole batch: what DDP must reproduce."""
+    torch.manual_seed(seed)
+    net = step_model(model)
+    bn = _first_batch_norm(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    x, y = fixed_batches(steps, global_batch, seed + 1)
+    first_grads, leaving = None, []
+    for s in range(steps):
+        optimizer.zero_grad()
+        F.cross_entropy(net(x[s]), y[s]).backward()
+        if bn is not None:
+            leaving.append(bn.running_mean.detach().clone())
+        if s == 0:
+            first_grads = [p.grad.detach().clone() for p in net.parameters()]
+        optimizer.step()
+    return {
+        "params": {k: v.detach() for k, v in net.state_dict().items()},
+        "first_grads": first_grads,
+        "bn_leaving": leaving,
+    }
+
+
+# --- section 3 ---------------------------------------------------------------------------------
+def sampler_indices_worker(
+    env: DistEnv, n: int, epochs: int, set_epoch: bool = True
+) -> list[list[int]]:
+    """The sample indices this rank reads in each epoch through a DistributedSampler."""
+    dataset = TensorDataset(torch.arange(n))
+    sampler = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank)
+    loader = DataLoader(dataset, batch_size=4, sampler=sampler)
+    seen = []
+    for epoch in range(epochs):
+        if set_epoch:
+            sampler.set_epoch(epoch)
+        seen.append([int(i) for (batch,) in loader for i in batch])
+    return seen
+
+
+# --- section 8 ---------------------------------------------------------------------------------
+def throughput_worker(
+    env: DistEnv,
+    cfg: LessonConfig,
+    steps: int,
+    group: dist.ProcessGroup | None = None,
+    warmup: int = 2,
+) -> float:
+    """Samples/s of DDP training over the ranks of ``group`` (default: all), on the slowest."""
+    if group is not None:
+        env = replace(env, rank=dist.get_rank(group), world_size=dist.get_world_size(group))
+    seed_everything(cfg.seed)
+    train_set, _, info = build_datasets(replace(cfg, dataset="synthetic"))
+    batch = cfg.batch_size // env.world_size
+    sampler = DistributedSampler(train_set, env.world_size, env.rank, drop_last=True)
+    loader = make_loader(train_set, batch, env.device, sampler=sampler, drop_last=True)
+    model = wrap(build_model(cfg.model, info), env, group)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    batches = list(itertools.islice(itertools.cycle(loader), warmup + steps))
+    for step, (x, y) in enumerate(batches):
+        if step == warmup:
+            synchronize(env.device)
+            dist.barrier(group=group)
+            start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x.to(env.device)), y.to(env.device)).backward()
+        optimizer.step()
+    synchronize(env.device)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=env.device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return steps * batch * env.world_size / elapsed.item()
