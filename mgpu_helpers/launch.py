@@ -598,7 +598,7 @@ def _supervise(ranks: list[_Rank], procs: list[Any], printer: _Printer) -> None:
             # Every rank returned: let them leave the group and release what they hold (a rank
             # stopped in the middle of that leaks semaphores), then stop any that hangs.
             returned = returned or now
-            if not live or now - returned > _GRACE_SECONDS:
+            if all(r.exitcode is not None for r in ranks) or now - returned > _GRACE_SECONDS:
                 return
 
 
