@@ -112,3 +112,18 @@ def test_the_mgpu_command_starts_without_torch() -> None:
         "print(sorted(m for m in ('torch', 'matplotlib', 'sklearn') if m in sys.modules))\n"
     )
     assert _fresh(code) == "[]"
+
+
+def test_the_package_has_no_facade() -> None:
+    # Every name is imported from the module that defines it; the package exports only its
+    # version (no lazy __getattr__ that hides where a name lives).
+    import mgpu_helpers
+
+    assert not hasattr(mgpu_helpers, "__getattr__")
+    public = {name for name in vars(mgpu_helpers) if not name.startswith("_")}
+    assert public <= {"annotations", *_submodules_loaded()}, public
+
+
+def _submodules_loaded() -> set[str]:
+    # Importing mgpu_helpers.x binds x on the package: those attributes are modules, not a facade.
+    return {name.split(".")[1] for name in sys.modules if name.startswith("mgpu_helpers.")}
