@@ -1,4 +1,4 @@
-"""Small shared plumbing (no lesson of its own)."""
+"""Small shared plumbing (no lesson of its own): the course runner's and the benchmarks'."""
 
 from __future__ import annotations
 

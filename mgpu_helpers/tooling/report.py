@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mgpu_helpers.tooling.util import write_json
+from mgpu_helpers.util import write_json
 
 if TYPE_CHECKING:
     from mgpu_helpers.tooling.runner import LessonRun

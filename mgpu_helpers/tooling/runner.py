@@ -29,7 +29,7 @@ from mgpu_helpers.tooling.notebooks import (
     parameter_names,
     parameters_cell_index,
 )
-from mgpu_helpers.tooling.util import temporary_environ
+from mgpu_helpers.util import temporary_environ
 
 __all__ = [
     "LessonRun",
