@@ -175,30 +175,33 @@ def launch(
         "cwd": os.getcwd(),
     }
     ranks = [_Rank(rank, None, logs / f"rank{rank}.log") for rank in range(plan.world_size)]
-    writers = []
+    pipes = []  # the children's ends: each rank's pipe to this process, then the lifeline
     for state in ranks:  # Adds: a pipe per rank for its output, result and traceback
         read_fd, write_fd = os.pipe()
         os.set_blocking(read_fd, False)
         state.fd = read_fd
-        writers.append(Connection(write_fd, readable=False))
+        pipes.append(Connection(write_fd, readable=False))
+    lifeline_r, lifeline_w = os.pipe()  # Adds: ranks end when this process dies (_watch_parent)
+    pipes.append(Connection(lifeline_r, writable=False))
     printer = _Printer(echo)
     procs: list[Any] = []
     try:
         try:
             context = torch_mp.start_processes(
                 _entry,
-                args=(payload, sources, writers, spec),
+                args=(payload, sources, pipes, spec),
                 nprocs=plan.world_size,
                 join=False,  # we supervise: see _supervise
                 start_method=method,
             )
             procs = context.processes
         finally:
-            for writer in writers:
-                writer.close()  # each rank has its own copy; a pipe ends when its rank does
+            for pipe in pipes:
+                pipe.close()  # each rank has its own copy; a pipe ends when its rank does
         _supervise(ranks, procs, printer)
     finally:
         _stop(procs)
+        os.close(lifeline_w)
         for state in ranks:
             try:
                 _read(state, printer)  # every rank's last words, before the error is shown
@@ -433,14 +436,38 @@ def _collective(exc: BaseException | None) -> str | None:
     return found
 
 
+def _watch_parent(lifeline: Connection) -> None:
+    """End this rank when the launching process dies, even by SIGKILL (a restarted kernel).
+
+    Adds: torch's ``start_processes`` asks the kernel to signal a rank when its parent dies
+    (``PR_SET_PDEATHSIG``), but a rank's parent is the fork server, which outlives the caller
+    while any rank runs. The caller holds the only write end of the lifeline; its death closes
+    it, and the read below returns.
+    """
+
+    def watch() -> None:
+        try:
+            lifeline.recv_bytes()  # nothing is ever sent: this returns at end of file
+        except (EOFError, OSError):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="mgpu-lifeline", daemon=True).start()
+
+
 def _entry(
     rank: int,
     payload: bytes,
     sources: dict[str, list[str]],
-    writers: list[Connection],
+    pipes: list[Connection],
     spec: dict,
 ) -> None:
-    """What each rank runs, called by torch's ``start_processes`` as ``_entry(rank, ...)``."""
+    """What each rank runs, called by torch's ``start_processes`` as ``_entry(rank, ...)``.
+
+    ``pipes``: each rank's pipe to the parent, then the lifeline (see ``_watch_parent``).
+    """
+    *writers, lifeline = pipes
+    _watch_parent(lifeline)
     channel = _Channel(writers[rank])
     for other in writers:
         if other is not writers[rank]:

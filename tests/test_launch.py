@@ -357,6 +357,41 @@ def test_interrupting_the_caller_stops_every_rank(tmp_path) -> None:
         assert not alive, f"rank process {pid} survived the interrupt"
 
 
+def test_killing_the_caller_outright_stops_every_rank(tmp_path) -> None:
+    """A kernel restarted or killed with SIGKILL runs no cleanup: the ranks must end anyway."""
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(INTERRUPTED_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 90
+        while not all((tmp_path / f"pid{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline, "the ranks never started"
+            assert proc.poll() is None, "the launching process died early"
+            time.sleep(0.2)
+        time.sleep(0.5)
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 15
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in pids if alive(pid)], "rank processes outlived the killed caller"
+
+
 def test_log_folders_are_pruned_safely_while_others_prune_too(tmp_path, monkeypatch) -> None:
     from mgpu_helpers import launch as launch_module
 
