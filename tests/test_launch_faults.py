@@ -15,7 +15,8 @@ import pytest
 import torch.distributed as dist
 from procs import rank_children
 
-from mgpu_helpers.launch import DistEnv, WorkerError, launch
+from mgpu_helpers.dist_env import DistEnv
+from mgpu_helpers.launch import WorkerError, launch
 
 REPEATS = 3
 LINES = 300  # enough output that some of it is still in flight when the rank dies
