@@ -1,5 +1,7 @@
-"""The training loop every lesson reuses (lesson 02).
+"""The training loop several lessons reuse (02 to 05).
 
+Lesson 02 writes its single-device loop in its own cells and checks that :func:`fit` trains
+exactly like it (same weights, same metrics); lesson 04's DDP worker is a diff of that loop.
 Plain functions: :func:`train_epoch`, :func:`evaluate` and :func:`fit`. They never move the
 model: put it on its device(s) yourself (one device, ``nn.DataParallel``, DDP or a model split
 across devices all work). Inputs go to ``device``; targets go to wherever the outputs come out,
