@@ -1,12 +1,12 @@
 """How much does the course's training loop cost over a bare PyTorch loop? (target: <= 3%)
 
-`mgpu_helpers.fit` adds progress bars and per-epoch loss/accuracy/throughput to the few lines
+`mgpu_helpers.train.fit` adds progress bars and per-epoch loss/accuracy/throughput to the few lines
 every training loop has. This script trains the same model on the same data and device three
 ways, in one process, taking turns (minimal, fit with bars, fit without bars, minimal, ...):
 
   minimal   the textbook loop: to(device), forward, cross_entropy, zero_grad, backward, step
-  fit+bar   mgpu_helpers.fit as learners call it, progress bars on
-  fit       mgpu_helpers.fit with progress=False
+  fit+bar   mgpu_helpers.train.fit as learners call it, progress bars on
+  fit       mgpu_helpers.train.fit with progress=False
 
 Every run starts from the same seed, so all three do the same arithmetic on the same batches
 (the script checks that the final weights agree). Each run is timed with the device
