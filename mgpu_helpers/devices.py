@@ -1,4 +1,4 @@
-"""What hardware is here, and how the course adapts to it (lessons 00 and 01).
+"""What hardware is here (lessons 00 and 01); where the ranks run on it is `placement.py`.
 
 Looking must not initialise CUDA in the notebook kernel: later lessons start worker processes,
 and a kernel that already holds a CUDA context cannot fork them. ``torch.cuda.device_count()``
@@ -22,16 +22,12 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from .placement import Placement, place
-
 __all__ = [
     "DeviceCheck",
     "GpuInfo",
     "Hardware",
-    "Plan",
     "available_backends",
     "full_float32",
-    "course_plan",
     "describe_hardware",
     "gpu_count",
     "hardware_as_dict",
@@ -68,17 +64,6 @@ class Hardware:
     cpu_count: int
     visible_devices: str | None  # CUDA_VISIBLE_DEVICES as set in the environment
     cuda_error: str | None = None  # why CUDA could not be inspected, when it could not
-
-
-class Plan(Placement):  # TEMPORARY alias (issue 9): use mgpu_helpers.placement.Placement
-    """Deprecated: the record of :func:`course_plan`; a :class:`Placement` with a ``mode``."""
-
-    @property
-    def mode(self) -> str:
-        """ "cpu", "single-gpu" or "multi-gpu", from the GPUs visible."""
-        if self.device_type == "cpu":
-            return "cpu"
-        return "multi-gpu" if self.n_gpus >= 2 else "single-gpu"
 
 
 def gpu_count() -> int:
@@ -186,16 +171,6 @@ def describe_hardware() -> Hardware:
     )
 
 
-def course_plan(n_gpus: int | None = None, n_devices: int = 2) -> Plan:
-    """Deprecated: ``place(n_devices, share_gpus=True, n_gpus=n_gpus)`` as a :class:`Plan`."""
-    # TEMPORARY alias (issue 9): lessons and tests move to mgpu_helpers.placement.place.
-    if n_devices < 1:
-        raise ValueError(f"n_devices must be at least 1, got {n_devices}")
-    if n_gpus is not None and n_gpus < 0:
-        raise ValueError(f"n_gpus cannot be negative, got {n_gpus}")
-    return Plan(**vars(place(n_devices, share_gpus=True, n_gpus=n_gpus)))
-
-
 def nvidia_smi(*args: str, timeout: float = 30.0) -> str | None:
     """Output of ``nvidia-smi`` with ``args``, or None when the tool is missing or fails."""
     exe = shutil.which("nvidia-smi")
@@ -268,7 +243,7 @@ def sanity_check_devices(
     """
     distinct = list(dict.fromkeys(str(d) for d in devices))
     if not distinct:
-        raise ValueError("no devices to check; pass e.g. course_plan().devices")
+        raise ValueError("no devices to check; pass e.g. place(2).devices")
     if in_subprocess is None:
         uses_gpu = any(torch.device(d).type == "cuda" for d in distinct)
         in_subprocess = uses_gpu and not torch.cuda.is_initialized()

@@ -901,14 +901,3 @@ def _failure(ranks: list[_Rank]) -> WorkerError:
         finished=finished,
         summary=summary,
     )
-
-
-# TEMPORARY aliases (issue 9): notebooks and tests move to mgpu_helpers.placement.place and
-# mgpu_helpers.dist_env.DistEnv (imported above, so ``from mgpu_helpers.launch import DistEnv``
-# still works); the lead deletes these once nothing uses them.
-LaunchPlan = Placement  # TEMPORARY alias (issue 9)
-
-
-def plan_launch(world_size: int, device: str = "auto", **kwargs: Any) -> Placement:
-    """Deprecated: use :func:`mgpu_helpers.placement.place`."""
-    return place(world_size, device, **kwargs)  # TEMPORARY alias (issue 9)

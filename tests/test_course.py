@@ -146,7 +146,7 @@ def test_course_report_lists_both_lessons(course_run):
         ("01_pass", "passed"),
     ]
     assert data["lessons"][1]["results"]["n_squared"] == 9
-    assert "gloo" in data["hardware"]["backends"] and data["plan"].startswith("[")
+    assert "gloo" in data["hardware"]["backends"] and data["placement"].startswith("[")
     page = (out / "report.html").read_text()
     assert "1 of 2 lessons passed" in page
     assert "02_fail" in page and "01_pass" in page and "boom in lesson two" in page

@@ -1,4 +1,4 @@
-"""What hardware is here and how the course adapts (course_plan); the GPU test markers.
+"""What hardware is here (devices.py); the GPU test markers. Placement: test_placement.py.
 
 `mgpu doctor` is tested in test_doctor.py and the `mgpu` command in test_cli.py.
 """
@@ -17,10 +17,8 @@ import pytest
 import torch
 
 from mgpu_helpers.devices import (
-    Plan,
     _probe_cuda_elsewhere,
     available_backends,
-    course_plan,
     describe_hardware,
     gpu_count,
     hardware_as_dict,
@@ -28,80 +26,6 @@ from mgpu_helpers.devices import (
 )
 
 ON_CPU_ONLY = pytest.mark.skipif(gpu_count() > 0, reason="describes a machine without GPUs")
-
-# --- course_plan ----------------------------------------------------------------------------
-
-VIRTUAL = "(virtual devices: the same hardware stands in for each)"
-
-PLANS = [
-    # n_gpus, n_devices, mode, devices, virtual, backend, banner start
-    (0, 2, "cpu", ("cpu", "cpu"), True, "gloo", "[CPU only]"),
-    (0, 3, "cpu", ("cpu", "cpu", "cpu"), True, "gloo", "[CPU only]"),
-    (1, 2, "single-gpu", ("cuda:0", "cuda:0"), True, "gloo", "[1 GPU]"),
-    (1, 3, "single-gpu", ("cuda:0", "cuda:0", "cuda:0"), True, "gloo", "[1 GPU]"),
-    (2, 2, "multi-gpu", ("cuda:0", "cuda:1"), False, "nccl", "[2 GPUs]"),
-    (2, 3, "multi-gpu", ("cuda:0", "cuda:1", "cuda:0"), True, "gloo", "[2 GPUs]"),
-    (4, 2, "multi-gpu", ("cuda:0", "cuda:1"), False, "nccl", "[4 GPUs]"),
-    (4, 3, "multi-gpu", ("cuda:0", "cuda:1", "cuda:2"), False, "nccl", "[4 GPUs]"),
-]
-
-
-@pytest.fixture
-def with_nccl(monkeypatch):
-    """A torch with NCCL built in (the Linux CUDA wheels), whatever this one has."""
-    monkeypatch.setattr("mgpu_helpers.devices.available_backends", lambda: ("gloo", "nccl"))
-
-
-@pytest.mark.parametrize(
-    ("n_gpus", "n_devices", "mode", "names", "virtual", "backend", "kind"), PLANS
-)
-def test_course_plan(with_nccl, n_gpus, n_devices, mode, names, virtual, backend, kind):
-    plan = course_plan(n_gpus, n_devices)
-    assert isinstance(plan, Plan)
-    assert (plan.mode, plan.n_gpus, plan.devices) == (mode, n_gpus, names)
-    assert (plan.virtual, plan.backend) == (virtual, backend)
-    banner = plan.banner()
-    assert banner == (
-        f"{kind} multi-device lessons use {', '.join(names)}"
-        + (f" {VIRTUAL}" if virtual else "")
-        + f"; backend {backend}"
-    )
-    assert bool(plan.notes) == (n_gpus < n_devices)  # fewer GPUs than devices: it says so
-
-
-def test_course_plan_notes_say_what_stands_in():
-    assert "CPU process" in course_plan(0, 2).notes[0]
-    assert "share a GPU" in course_plan(1, 2).notes[0]
-
-
-def test_course_plan_without_nccl_uses_gloo_and_says_so(monkeypatch):
-    monkeypatch.setattr("mgpu_helpers.devices.available_backends", lambda: ("gloo",))
-    plan = course_plan(2, 2)
-    assert plan.backend == "gloo" and not plan.virtual
-    assert any("NCCL" in note for note in plan.notes)
-
-
-def test_course_plan_single_device():
-    assert course_plan(0, 1).devices == ("cpu",) and not course_plan(0, 1).virtual
-    assert course_plan(1, 1).devices == ("cuda:0",) and not course_plan(1, 1).virtual
-
-
-def test_course_plan_counts_the_gpus_when_not_told(monkeypatch, with_nccl):
-    monkeypatch.setattr("mgpu_helpers.devices.gpu_count", lambda: 3)
-    plan = course_plan()
-    assert plan.n_gpus == 3 and plan.devices == ("cuda:0", "cuda:1")
-
-
-@pytest.mark.parametrize("n_devices", [0, -2])
-def test_course_plan_needs_a_device(n_devices):
-    with pytest.raises(ValueError, match="n_devices must be at least 1"):
-        course_plan(0, n_devices)
-
-
-def test_course_plan_rejects_negative_gpu_counts():
-    with pytest.raises(ValueError, match="n_gpus cannot be negative"):
-        course_plan(-1)
-
 
 def test_gpu_count_survives_a_broken_driver(monkeypatch):
     def broken():
@@ -142,9 +66,10 @@ def test_describe_hardware_leaves_cuda_uninitialised():
     code = textwrap.dedent(
         """
         import json, torch
-        from mgpu_helpers.devices import course_plan, describe_hardware
+        from mgpu_helpers.devices import describe_hardware
+        from mgpu_helpers.placement import place
         hw = describe_hardware()
-        course_plan()
+        place(2, share_gpus=True)
         print(json.dumps({"gpus": len(hw.gpus), "initialized": torch.cuda.is_initialized()}))
         """
     )

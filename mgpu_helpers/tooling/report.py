@@ -18,17 +18,19 @@ __all__ = ["write_report"]
 
 def write_report(runs: list[LessonRun], out_dir: str | Path, *, quick: bool) -> Path:
     """Write ``report.html`` and ``report.json``: per lesson status, time, results; hardware."""
-    from mgpu_helpers.devices import course_plan, describe_hardware, hardware_as_dict
+    from mgpu_helpers.devices import describe_hardware, hardware_as_dict
+    from mgpu_helpers.placement import place
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hw = describe_hardware()
-    plan = course_plan(len(hw.gpus))
+    n_gpus = len(hw.gpus)
+    placement = place(max(2, n_gpus), share_gpus=True, n_gpus=n_gpus)  # the lessons' default
     data = {
         "mode": "quick" if quick else "full",
         "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
         "hardware": hardware_as_dict(hw),
-        "plan": plan.banner(),
+        "placement": placement.banner(),
         "lessons": [asdict(r) for r in runs],
     }
     write_json(out_dir / "report.json", data)
@@ -80,7 +82,7 @@ code {{ white-space: pre-wrap; }}
 <h2>Hardware</h2>
 <ul><li>Python {e(hw["python"])}, torch {e(hw["torch"])}, CUDA build {e(str(hw["cuda_build"]))},
 NCCL {e(str(hw["nccl_version"]))}, {hw["cpu_count"]} CPU cores</li>
-<li>GPUs:<ul>{gpus}</ul></li><li>Plan: {e(data["plan"])}</li></ul>
+<li>GPUs:<ul>{gpus}</ul></li><li>Placement: {e(data["placement"])}</li></ul>
 <h2>Lessons</h2>
 <table><tr><th>lesson</th><th>status</th><th>time</th><th>key results</th><th>self-checks</th></tr>
 {"".join(rows)}
