@@ -1,8 +1,8 @@
-"""The DDP workers of lesson 04, copied for the tests (the lesson writes its own in its cells).
+"""The tests' own DDP workers for lesson 04's mechanisms (the lesson writes its own in its cells).
 
-``train_ddp`` is the lesson's section 6 worker, line for line (``test_ddp.py`` checks that the
-copy still matches the notebook); the others are the step-by-step proofs (sections 4-5), the
-sampler demonstration (section 3) and the throughput measurement (section 8).
+The step-by-step proofs (sections 4-5), the sampler demonstration (section 3) and the throughput
+measurement (section 8). The training worker of section 6 is not copied here: ``test_ddp.py``
+runs the lesson's own ``train_ddp``, read from the notebook with ``load_lesson_code``.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from mgpu_helpers.config import LessonConfig
 from mgpu_helpers.data import build_datasets, make_loader
-from mgpu_helpers.ddp import evaluate_distributed
 from mgpu_helpers.devices import full_float32
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.models import build_model, resnet_cifar, small_cnn
 from mgpu_helpers.timing import synchronize
-from mgpu_helpers.train import EpochResult, History, seed_everything
+from mgpu_helpers.train import seed_everything
 
 
 def wrap(model: nn.Module, env: DistEnv, group: dist.ProcessGroup | None = None) -> DDP:
@@ -38,53 +37,6 @@ def wrap(model: nn.Module, env: DistEnv, group: dist.ProcessGroup | None = None)
 
 def has_batch_norm(model: nn.Module) -> bool:
     return any(isinstance(m, _BatchNorm) for m in model.modules())
-
-
-# --- lesson 04, section 6 (a copy of the notebook's cell; keep them equal) --------------------
-def train_ddp(env, cfg, checkpoint, sync_bn=False):
-    """Train cfg's model with DDP on this rank; rank 0 saves `checkpoint`; returns the History."""
-    device = env.device  # this rank's device
-    seed_everything(cfg.seed)  # rank 0's initial weights and data order; DDP copies the weights
-    train_set, test_set, info = build_datasets(cfg)
-    sampler = DistributedSampler(train_set, env.world_size, env.rank, seed=cfg.seed)
-    batch = cfg.batch_size // env.world_size  # per rank; the ranks together make the global batch
-    train_loader = make_loader(train_set, batch, device, sampler=sampler)
-    test_sampler = DistributedSampler(test_set, env.world_size, env.rank, shuffle=False)
-    test_loader = make_loader(test_set, 256, device, sampler=test_sampler)
-    model = build_model(cfg.model, info)
-    if sync_bn:
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # before the wrap
-    model = DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    history = History()
-    for epoch in range(cfg.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-        model.train()
-        sums = torch.zeros(3, device=device)  # loss x samples, correct answers, samples
-        start = time.perf_counter()
-        for inputs, targets in train_loader:
-            inputs, targets = inputs.to(device), targets.to(device)
-            outputs = model(inputs)
-            loss = F.cross_entropy(outputs, targets)
-            optimizer.zero_grad()
-            loss.backward()  # DDP averages the gradients over the ranks during this call
-            optimizer.step()
-            sums[0] += loss.detach() * len(targets)
-            sums[1] += (outputs.argmax(dim=1) == targets).sum()
-            sums[2] += len(targets)
-        dist.all_reduce(sums)  # the sums over all ranks, on every rank; waits for the slowest
-        loss_sum, correct, samples = sums.tolist()  # waits for the device: one read per epoch
-        seconds = time.perf_counter() - start
-        result = EpochResult(loss_sum / samples, correct / samples, int(samples), seconds)
-        test = evaluate_distributed(model, test_loader, device)  # each test sample counted once
-        history.append(epoch + 1, result, test)
-        if env.is_main:
-            print(f"epoch {epoch + 1}: train loss {result.loss:.4f}, test acc {test.accuracy:.3f}")
-    if env.is_main:  # every rank holds the same weights: one writes them
-        state = {"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}
-        torch.save(state, checkpoint)
-    dist.barrier()  # outside the if: no rank goes on before the file is complete
-    return history
 
 
 # --- sections 4 and 5 --------------------------------------------------------------------------

@@ -1,40 +1,62 @@
 """Lesson 04: DDP with real processes over gloo, checked against one process.
 
-The workers are the lesson's, copied into ``ddp_workers.py`` (the lesson writes them in its
-cells); the first test keeps the copy of the training worker equal to the notebook's.
+The training worker is the lesson's own ``train_ddp``, read from its notebook and run here
+(``load_lesson_code``); the step-by-step workers are the tests' own, in ``ddp_workers.py``.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from ddp_workers import (
     ddp_step_worker,
     reference_steps,
     sampler_indices_worker,
     throughput_worker,
-    train_ddp,
     wrap,
 )
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
 
 from mgpu_helpers.config import LessonConfig, apply_quick
-from mgpu_helpers.diffs import lesson_function
+from mgpu_helpers.data import build_datasets, make_loader
+from mgpu_helpers.ddp import evaluate_distributed
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.launch import launch
-from mgpu_helpers.models import small_cnn
+from mgpu_helpers.lesson_code import load_lesson_code
+from mgpu_helpers.models import build_model, small_cnn
+from mgpu_helpers.train import EpochResult, History, seed_everything
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def test_the_copied_training_worker_is_the_lessons() -> None:
-    import inspect
-
-    lesson = lesson_function("04", "train_ddp", folder=ROOT / "notebooks")
-    assert inspect.getsource(train_ddp) == lesson, "update tests/ddp_workers.py from lesson 04"
+# Lesson 04's section 6 worker, as its cell writes it; the names are the lesson's imports.
+LESSON_04 = load_lesson_code(
+    "04",
+    ["train_ddp"],
+    {
+        "DDP": DDP,
+        "DistributedSampler": DistributedSampler,
+        "EpochResult": EpochResult,
+        "F": F,
+        "History": History,
+        "build_datasets": build_datasets,
+        "build_model": build_model,
+        "dist": dist,
+        "evaluate_distributed": evaluate_distributed,
+        "make_loader": make_loader,
+        "seed_everything": seed_everything,
+        "time": time,
+        "torch": torch,
+    },
+    folder=ROOT / "notebooks",
+)
+train_ddp = LESSON_04.train_ddp
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -96,7 +118,8 @@ def test_checkpoint_is_written_by_rank_zero_and_read_by_all(tmp_path: Path) -> N
 def test_the_lessons_worker_learns_reports_global_metrics_and_checkpoints(tmp_path: Path) -> None:
     cfg = LessonConfig(epochs=3, batch_size=64, progress=False)  # all the digits
     path = str(tmp_path / "trained.pt")
-    h0, h1 = launch(train_ddp, 2, cfg, path, device="cpu", echo=False)
+    assert train_ddp.__code__.co_filename.startswith(str(ROOT / "notebooks" / "04_ddp_mp_spawn"))
+    h0, h1 = launch(train_ddp, 2, cfg, path, device="cpu", echo=False)  # sent by value
     for metric in ("train_loss", "train_acc", "test_loss", "test_acc"):
         assert getattr(h0, metric) == getattr(h1, metric), f"{metric} not reduced"
     assert h0.test_acc[-1] > 0.85
