@@ -7,9 +7,7 @@ models, device counts and (when present) GPUs than the lesson itself does.
 
 from __future__ import annotations
 
-import ast
 import copy
-import json
 from pathlib import Path
 
 import pytest
@@ -18,37 +16,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from mgpu_helpers.data_parallel import shard_sizes
+from mgpu_helpers.lesson_code import load_lesson_code
 from mgpu_helpers.models import mlp, small_cnn
 from mgpu_helpers.plots import plot_batch_split
 
-LESSON = Path(__file__).resolve().parents[1] / "notebooks" / "03_data_parallel.ipynb"
 STEP_FUNCTIONS = ("scatter", "replicate", "combine_gradients", "data_parallel_step")
-
-
-def lesson_functions(names: tuple[str, ...] = STEP_FUNCTIONS) -> dict[str, object]:
-    """Define the lesson's functions ``names`` from its code cells; return them by name."""
-    namespace: dict[str, object] = {"copy": copy, "torch": torch, "F": F, "nn": nn}
-    for cell in json.loads(LESSON.read_text(encoding="utf-8"))["cells"]:
-        if cell["cell_type"] != "code":
-            continue
-        try:
-            tree = ast.parse("".join(cell["source"]))
-        except SyntaxError:  # a cell with an IPython magic (%matplotlib): no lesson function
-            continue
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and node.name in names:
-                code = compile(ast.Module(body=[node], type_ignores=[]), str(LESSON), "exec")
-                exec(code, namespace)  # the lesson's own cell, from this repository
-    missing = [name for name in names if name not in namespace]
-    if missing:
-        raise RuntimeError(f"{LESSON.name} no longer defines {missing}: update this test with it")
-    return {name: namespace[name] for name in names}
-
-
-LESSON_CODE = lesson_functions()
-data_parallel_step = LESSON_CODE["data_parallel_step"]
-replicate = LESSON_CODE["replicate"]
-scatter = LESSON_CODE["scatter"]
+LESSON_CODE = load_lesson_code(
+    "03",
+    STEP_FUNCTIONS,
+    {"copy": copy, "torch": torch, "F": F, "nn": nn},
+    folder=Path(__file__).resolve().parents[1] / "notebooks",
+)
+data_parallel_step = LESSON_CODE.data_parallel_step
+replicate = LESSON_CODE.replicate
+scatter = LESSON_CODE.scatter
 
 
 def single_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float = 0.1) -> None:
