@@ -5,8 +5,11 @@ One MLP, one batch, a full training step (forward, loss, backward, SGD step) thr
   unsplit    the whole model on the first device
   naive      the model cut into S balanced stages, stage i on device i, the batch in one piece
              (a SplitModel: one stage works while the others wait)
-  pipe M=k   the same stages under gpipe_step (lesson 05's, copied below): the batch in k
-             micro-batches, one thread per stage, all forwards then all backwards (GPipe)
+  pipe M=k   the same stages under gpipe_step: the batch in k micro-batches, one thread per
+             stage, all forwards then all backwards (GPipe)
+
+SplitModel, cut and gpipe_step are lesson 05's own, read from its notebook and run as written
+(mgpu_helpers.lesson_code.load_lesson_code): the benchmark times the lesson's code.
 
 The ideal comes from the bubble formula. With S equal stages on S separate devices and free
 transfers, a GPipe step keeps each device busy for M of every M + S - 1 time slots, where the
@@ -51,6 +54,7 @@ from torch import Tensor, nn
 # Run from a source checkout without installing: put the repository root on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mgpu_helpers.lesson_code import load_lesson_code  # noqa: E402
 from mgpu_helpers.model_parallel import (  # noqa: E402
     Event,
     Timeline,
@@ -66,126 +70,25 @@ from mgpu_helpers.placement import place  # noqa: E402
 from mgpu_helpers.timing import synchronize  # noqa: E402
 from mgpu_helpers.util import write_json  # noqa: E402
 
-
-# The split model and the GPipe step, as lesson 05 writes them in its cells (sections 1.3 and
-# 3.1): a benchmark is a script that stands on its own. tests/test_pipeline_benchmark.py checks
-# that this copy and the lesson's stay the same code.
-# --- from lesson 05 ---
-class SplitModel(nn.Module):
-    """Consecutive stages of a model, stage i on ``devices[i]``."""
-
-    def __init__(self, stages: list[nn.Module], devices: list[torch.device]) -> None:
-        super().__init__()
-        self.devices = list(devices)
-        self.stages = nn.ModuleList(s.to(d) for s, d in zip(stages, self.devices, strict=True))
-
-    def forward(self, x: Tensor) -> Tensor:
-        for stage, device in zip(self.stages, self.devices, strict=True):
-            x = stage(x.to(device))  # the activation crosses to this stage's device here
-        return x
-
-
-def cut(model: nn.Sequential, cuts: list[int]) -> list[nn.Module]:
-    """``model`` cut before the layer indices in ``cuts``: [4] gives model[:4], model[4:]."""
-    points = [0, *cuts, len(model)]
-    return [model[a:b] for a, b in zip(points, points[1:], strict=False)]
-
-
-Streams = dict[tuple[torch.device, torch.device], tuple[torch.cuda.Stream, torch.cuda.Stream]]
-
-
-def copy_streams(devices: list[torch.device]) -> Streams:
-    """A (send, receive) pair of side streams for each direction between neighbouring GPUs."""
-    streams = {}
-    for a, b in zip(devices, devices[1:], strict=False):
-        if a != b and a.type == b.type == "cuda":
-            for src, dst in ((a, b), (b, a)):  # activations forward, gradients back
-                streams[src, dst] = (torch.cuda.Stream(src), torch.cuda.Stream(dst))
-    return streams
-
-
-def send(t: Tensor, dst: torch.device, streams: Streams) -> tuple[Tensor, object]:
-    """Start moving ``t``, just computed by this thread, to ``dst``; return it and its arrival."""
-    if (t.device, dst) not in streams:  # the CPU, or one device: nothing to overlap
-        return t.to(dst), None
-    send_stream, receive_stream = streams[t.device, dst]
-    send_stream.wait_stream(torch.cuda.current_stream(t.device))  # after t is computed
-    with torch.cuda.stream(receive_stream), torch.cuda.stream(send_stream):
-        moved = t.to(dst, non_blocking=True)  # queued on the side stream of t's device
-    t.record_stream(send_stream)  # the allocator keeps t until the copy has read it
-    arrived = torch.cuda.Event()
-    arrived.record(receive_stream)
-    return moved, arrived
-
-
-def receive(t: Tensor, arrived: object) -> Tensor:
-    """Make this thread's stream on ``t``'s device wait until ``t`` has arrived."""
-    if arrived is not None:
-        compute = torch.cuda.current_stream(t.device)
-        compute.wait_event(arrived)
-        t.record_stream(compute)  # t was allocated on the receive stream and is used here
-    return t
-
-
-def gpipe_step(
-    model: SplitModel,
-    optimizer: torch.optim.Optimizer,
-    inputs: Tensor,
-    targets: Tensor,
-    n_micro: int,
-) -> tuple[Tensor, list[Event]]:
-    """One training step with the GPipe schedule over ``n_micro`` micro-batches.
-
-    Returns the batch's mean loss and the timeline: what each stage ran, and when.
-    """
-    stages, devices = list(model.stages), model.devices
-    last = len(stages) - 1
-    xs = inputs.to(devices[0]).chunk(n_micro)  # the micro-batches, on the first device
-    ys = targets.to(devices[-1]).chunk(n_micro)  # their targets, where the loss is computed
-    streams = copy_streams(devices)
-    forward_in = [queue.Queue() for _ in stages]  # (micro, activation, arrival) into stage s
-    backward_in = [queue.Queue() for _ in stages]  # (micro, gradient, arrival) into stage s
-    for m, x in enumerate(xs):
-        forward_in[0].put((m, x, None))
-    losses = [None] * len(xs)  # each micro-batch's share of the batch's mean loss
-    timeline = Timeline(devices)
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-
-    def run_stage(s: int) -> None:
-        device, stage, kept = devices[s], stages[s], {}
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # this thread queues its work on its own GPU
-        for _ in xs:  # all forwards, in micro-batch order
-            m, x, arrived = forward_in[s].get()
-            x = receive(x, arrived).detach().requires_grad_(s > 0)
-            begin = timeline.mark(device)  # the input is here: the forward starts
-            out = stage(x)
-            if s == last:  # weighted by its share of the batch: the gradients add up right
-                out = F.cross_entropy(out, ys[m]) * len(ys[m]) / len(targets)
-                losses[m] = out.detach()
-            timeline.add(s, m, "F", device, begin)
-            kept[m] = (x, out)  # what this micro-batch's backward needs
-            if s < last:  # send the activation on at once
-                forward_in[s + 1].put((m, *send(out.detach(), devices[s + 1], streams)))
-        for m in reversed(range(len(xs))):  # then all backwards, last micro-batch first
-            x, out = kept.pop(m)
-            grad = None  # the last stage starts from its loss
-            if s < last:  # the others from the gradient the next stage sends back
-                _, grad, arrived = backward_in[s].get()
-                grad = receive(grad, arrived)
-            begin = timeline.mark(device)
-            out.backward(grad)
-            timeline.add(s, m, "B", device, begin)
-            if s > 0:  # send the input's gradient back at once
-                backward_in[s - 1].put((m, *send(x.grad, devices[s - 1], streams)))
-
-    run_stages(run_stage, len(stages), forward_in + backward_in)  # one thread per stage
-    optimizer.step()
-    return torch.stack(losses).sum(), timeline.events()
-
-
-# --- end of lesson 05's code ---
+# The split model and the GPipe step are lesson 05's (sections 1.3 and 3.1), read from its
+# notebook and run as its cells write them: the lesson is the one place this code lives. The
+# namespace holds the names that code uses (the lesson's imports).
+NAMES = ("SplitModel", "cut", "Streams", "copy_streams", "send", "receive", "gpipe_step")
+lesson = load_lesson_code(
+    "05",
+    NAMES,
+    {
+        "Event": Event,
+        "F": F,
+        "Tensor": Tensor,
+        "Timeline": Timeline,
+        "nn": nn,
+        "queue": queue,
+        "run_stages": run_stages,
+        "torch": torch,
+    },
+    folder=Path(__file__).resolve().parent.parent / "notebooks",
+)
 
 
 FORMULA = "ideal pipelined/naive = S*M/(M+S-1) (S equal stages on S separate devices)"
@@ -319,7 +222,7 @@ def check_pipeline_matches_naive(split: nn.Module, x, y, n_micro: int, devices) 
     """Largest weight difference after one naive and one pipelined step from the same start."""
     naive, piped = copy.deepcopy(split), copy.deepcopy(split)
     plain_step(naive, torch.optim.SGD(naive.parameters(), lr=0.01), x, y)
-    gpipe_step(piped, torch.optim.SGD(piped.parameters(), lr=0.01), x, y, n_micro)
+    lesson.gpipe_step(piped, torch.optim.SGD(piped.parameters(), lr=0.01), x, y, n_micro)
     sync_all(devices)
     diff = 0.0
     for p, q in zip(naive.parameters(), piped.parameters(), strict=True):
@@ -340,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     model = mlp(args.hidden, num_classes=10, hidden=args.hidden, depth=args.depth)
     cuts = balance(layer_costs(model), n_stages)
     unsplit = copy.deepcopy(model).to(devices[0])
-    split = SplitModel(cut(copy.deepcopy(model), cuts), devices)
+    split = lesson.SplitModel(lesson.cut(copy.deepcopy(model), cuts), devices)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch, args.hidden, generator=g).to(devices[0])
     y = torch.randint(0, 10, (args.batch,), generator=g).to(devices[0])
@@ -379,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def pipe(m: int) -> Callable[[], None]:
         def step() -> None:
-            _, events = gpipe_step(split, opt_split, x, y, m)
+            _, events = lesson.gpipe_step(split, opt_split, x, y, m)
             idle[m].append(idle_fraction(events))
             overlap_s[m].append(forward_overlap(events))
 
