@@ -104,10 +104,48 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 def _driver(hw: Hardware, smi_installed: bool, listing: str | None, header: str) -> Finding:
-    """Does the torch build suit the driver and the GPUs? (lesson 00, section 5.2)."""
+    """Does the torch build suit the driver and the GPUs? (lesson 00, section 5.2).
+
+    The CUDA probe decides: when it found GPUs without an error, CUDA works, whatever
+    nvidia-smi says (a forward-compatibility package lets an older-major driver run a newer
+    CUDA, as in NGC containers; WSL2 keeps nvidia-smi off the PATH). The driver's CUDA version
+    from nvidia-smi only explains why CUDA does not work.
+    """
     build = hw.cuda_build
     found = re.search(r"CUDA Version:\s*([\d.]+)", header)
     driver_cuda = found.group(1) if found else None
+    if hw.gpus and not hw.cuda_error:
+        works = f"torch for CUDA {build or '?'} sees {len(hw.gpus)} GPU(s)"
+        if driver_cuda and build and _version(driver_cuda)[:1] < _version(build)[:1]:
+            return Finding(
+                "ok",
+                "driver",
+                f"{works}, although nvidia-smi reports a driver for CUDA {driver_cuda}, an older "
+                "major version: a CUDA forward-compatibility package (datacenter GPUs, e.g. NGC "
+                "containers) bridges the gap",
+            )
+        if driver_cuda and build and _version(driver_cuda) < _version(build):
+            return Finding(
+                "ok",
+                "driver",
+                f"{works}; the driver (CUDA {driver_cuda}) is older than torch's CUDA {build} but "
+                "of the same major version, which works (minor-version compatibility); only "
+                "PTX-only GPU code and the newest CUDA features need a newer driver",
+            )
+        if not smi_installed:
+            return Finding(
+                "ok", "driver", f"{works} (nvidia-smi is not on the PATH, as under WSL2)"
+            )
+        return Finding("ok", "driver", works)
+    if not smi_installed and hw.gpus:  # the probe found GPUs but failed on them
+        return Finding(
+            "problem",
+            "driver",
+            f"torch finds {len(hw.gpus)} GPU(s) but cannot use them, and nvidia-smi is not on "
+            "the PATH to say why",
+            "install or repair the NVIDIA driver (its nvidia-smi shows the CUDA version it "
+            "supports)",
+        )
     if not smi_installed:
         if build is None:
             return Finding(
@@ -143,25 +181,16 @@ def _driver(hw: Hardware, smi_installed: bool, listing: str | None, header: str)
             "driver",
             f"the driver supports CUDA {driver_cuda}, an older major version than torch's "
             f"CUDA {build}: torch cannot use the GPUs",
-            f"update the NVIDIA driver, or install a torch built for CUDA {major}",
+            f"update the NVIDIA driver, or install a torch built for CUDA {major} (datacenter "
+            "GPUs: or the CUDA forward-compatibility package)",
         )
-    if not hw.gpus:
-        return Finding(
-            "problem",
-            "driver",
-            "nvidia-smi lists GPUs but torch sees none",
-            f"update the NVIDIA driver to one that supports CUDA {build}, or install a torch "
-            "built for an older CUDA",
-        )
-    if driver_cuda and _version(driver_cuda) < _version(build):
-        return Finding(
-            "ok",
-            "driver",
-            f"the driver (CUDA {driver_cuda}) is older than torch's CUDA {build} but of the same "
-            "major version, which works (minor-version compatibility); only PTX-only GPU code "
-            "and the newest CUDA features need a newer driver",
-        )
-    return Finding("ok", "driver", f"torch for CUDA {build} sees {len(hw.gpus)} GPU(s)")
+    return Finding(
+        "problem",
+        "driver",
+        "nvidia-smi lists GPUs but torch " + ("cannot use them" if hw.gpus else "sees none"),
+        f"update the NVIDIA driver to one that supports CUDA {build}, or install a torch "
+        "built for an older CUDA",
+    )
 
 
 def _gpu_memory(usage: str | None) -> list[Finding]:

@@ -122,44 +122,89 @@ def test_diagnose_leaves_cuda_uninitialised():
 
 # --- the driver verdict (lesson 00, section 5.2) ---------------------------------------------
 
+PROBE_FAILED = "CUDA probe failed: CUDA driver version is insufficient for CUDA runtime version"
 DRIVER_CASES = [
-    # installed, answers, cuda_build, gpus, level, in the message, in the fix
-    (False, {}, None, (), "ok", "CPU-only torch on a machine without NVIDIA GPUs", ""),
-    (False, {}, "13.0", (), "ok", "no NVIDIA driver: torch uses the CPU", ""),
-    (True, {}, "13.0", (), "problem", "nvidia-smi is installed but fails", "in a terminal"),
-    (True, {QUERY: ""}, "13.0", (), "info", "lists no GPU", ""),
+    # installed, answers, cuda_build, gpus, cuda_error, level, in the message, in the fix
+    (False, {}, None, (), None, "ok", "CPU-only torch on a machine without NVIDIA GPUs", ""),
+    (False, {}, "13.0", (), None, "ok", "no NVIDIA driver: torch uses the CPU", ""),
+    (True, {}, "13.0", (), None, "problem", "nvidia-smi is installed but fails", "in a terminal"),
+    (True, {QUERY: ""}, "13.0", (), None, "info", "lists no GPU", ""),
     (
         True,
         {QUERY: LISTING},
         None,
         (),
+        None,
         "problem",
         "torch sees none: this torch is a CPU-only build",
         "install the CUDA build: pip install torch==2.14.1 torchvision==0.29.1",
     ),
-    (
+    (  # an older-major driver and no GPU for torch: the version explains the failure
         True,
         {QUERY: LISTING, (): _header("12.8")},
         "13.0",
         (),
+        PROBE_FAILED,
         "problem",
         "the driver supports CUDA 12.8, an older major version than torch's CUDA 13.0",
         "install a torch built for CUDA 12",
+    ),
+    (  # the probe saw the GPU but failed on it: nvidia-smi's older major still explains it
+        True,
+        {QUERY: LISTING, (): _header("12.8")},
+        "13.0",
+        (H100,),
+        PROBE_FAILED,
+        "problem",
+        "an older major version than torch's CUDA 13.0",
+        "forward-compatibility package",
+    ),
+    (  # the same driver, but CUDA works: a forward-compatibility package (NGC containers)
+        True,
+        {QUERY: LISTING, (): _header("12.8")},
+        "13.0",
+        (H100,),
+        None,
+        "ok",
+        "sees 1 GPU(s), although nvidia-smi reports a driver for CUDA 12.8",
+        "",
     ),
     (
         True,
         {QUERY: LISTING},
         "13.0",
         (),
+        None,
         "problem",
         "nvidia-smi lists GPUs but torch sees none",
         "update the NVIDIA driver to one that supports CUDA 13.0",
+    ),
+    (  # WSL2: the GPUs work, nvidia-smi is not on the PATH
+        False,
+        {},
+        "13.0",
+        (H100,),
+        None,
+        "ok",
+        "torch for CUDA 13.0 sees 1 GPU(s) (nvidia-smi is not on the PATH",
+        "",
+    ),
+    (
+        False,
+        {},
+        "13.0",
+        (H100,),
+        PROBE_FAILED,
+        "problem",
+        "torch finds 1 GPU(s) but cannot use them",
+        "install or repair the NVIDIA driver",
     ),
     (
         True,
         {QUERY: LISTING, (): _header("13.0")},
         "13.2",
         (H100,),
+        None,
         "ok",
         "older than torch's CUDA 13.2 but of the same major version",
         "",
@@ -169,6 +214,7 @@ DRIVER_CASES = [
         {QUERY: LISTING, (): _header("13.2")},
         "13.0",
         (H100,),
+        None,
         "ok",
         "torch for CUDA 13.0 sees 1 GPU(s)",
         "",
@@ -177,16 +223,25 @@ DRIVER_CASES = [
 
 
 @pytest.mark.parametrize(
-    ("installed", "answers", "cuda_build", "gpus", "level", "message", "fix"), DRIVER_CASES
+    ("installed", "answers", "cuda_build", "gpus", "cuda_error", "level", "message", "fix"),
+    DRIVER_CASES,
 )
-def test_driver_verdict(machine, installed, answers, cuda_build, gpus, level, message, fix):
-    machine(installed=installed, answers=answers, cuda_build=cuda_build, gpus=gpus)
+def test_driver_verdict(
+    machine, installed, answers, cuda_build, gpus, cuda_error, level, message, fix
+):
+    machine(
+        installed=installed,
+        answers=answers,
+        cuda_build=cuda_build,
+        gpus=gpus,
+        cuda_error=cuda_error,
+    )
     findings = diagnose(min_free_disk_gib=0)
     driver = first(findings, "driver")
     assert (driver.level, message in driver.message, fix in driver.fix) == (level, True, True), (
         driver
     )
-    assert exit_code(findings) == (level == "problem")
+    assert exit_code(findings) == (level == "problem" or cuda_error is not None)
 
 
 # --- the other checks ------------------------------------------------------------------------
