@@ -1,14 +1,19 @@
 """Who am I in a distributed run: the one record every worker and script uses (lesson 04).
 
-Under ``launch`` and under ``torchrun`` alike, each rank reads ``RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` and asks :func:`~mgpu_helpers.placement.place` for its
-device and backend, so a script started by ``torchrun`` with more ranks than GPUs puts ranks on
-shared GPUs over gloo (NCCL refuses two ranks on one GPU) instead of failing.
+Under ``torchrun``, each rank reads ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and
+``LOCAL_WORLD_SIZE`` and asks :func:`~mgpu_helpers.placement.place` for its device and backend,
+so a script started with more ranks than GPUs puts ranks on shared GPUs over gloo (NCCL refuses
+two ranks on one GPU) instead of failing, and says so. Under ``launch`` the placement was
+decided before the ranks started: the launcher passes each worker its ``DistEnv`` and also
+exports the rank's device and backend as ``MGPU_DEVICE`` and ``MGPU_BACKEND``, which
+``from_environ`` honours, so both ways give a worker the same record.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +43,9 @@ class DistEnv:
         """Read the variables ``launch`` and ``torchrun`` set; device and backend from ``place``.
 
         ``device``: "auto", "cpu" or "cuda", as for :func:`place`. The ranks of this machine
-        (``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``) are placed with ``share_gpus=True``.
+        (``LOCAL_WORLD_SIZE``, else ``WORLD_SIZE``) are placed with ``share_gpus=True``; local
+        rank 0 warns when that puts ranks on shared GPUs over gloo. Under ``launch``, the
+        launcher's ``MGPU_DEVICE`` and ``MGPU_BACKEND`` are used instead.
         """
         try:
             rank = int(os.environ["RANK"])
@@ -55,11 +62,23 @@ class DistEnv:
                 f"LOCAL_RANK={local_rank} is outside 0..LOCAL_WORLD_SIZE-1={local_world_size - 1}"
                 "; set LOCAL_WORLD_SIZE to the number of ranks on this machine"
             )
-        placement = place(local_world_size, device, share_gpus=True)
-        return cls(
-            rank=rank,
-            local_rank=local_rank,
-            world_size=world_size,
-            device=torch.device(placement.devices[local_rank]),
-            backend=placement.backend,
-        )
+        launched = os.environ.get("MGPU_DEVICE"), os.environ.get("MGPU_BACKEND")
+        if all(launched):  # under launch: the placement the worker's env was built from
+            where, backend = launched
+            if device not in ("auto", torch.device(where).type):
+                raise RuntimeError(
+                    f"launch placed this rank on {where} (MGPU_DEVICE); call from_environ() "
+                    f"without device={device!r}, or launch on a placement with that device"
+                )
+        else:
+            placement = place(local_world_size, device, share_gpus=True)
+            where, backend = placement.devices[local_rank], placement.backend
+            if local_rank == 0 and placement.device_type == "cuda" and backend == "gloo":
+                _say_once(" ".join(placement.notes))
+        return cls(rank, local_rank, world_size, torch.device(where), backend)
+
+
+@functools.cache
+def _say_once(reason: str) -> None:
+    """Warn once per process that GPU ranks talk over gloo, and why (STYLE: say which)."""
+    warnings.warn(f"DistEnv.from_environ chose the gloo backend: {reason}", stacklevel=3)

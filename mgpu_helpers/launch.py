@@ -6,25 +6,23 @@ the ranks' results in rank order. PyTorch does the process work: ``torch.multipr
 start_processes`` starts the ranks and its ``ProcessContext`` holds them. This module adds only
 what PyTorch does not do for a notebook, each marked "Adds:" below:
 
-- the worker travels by value (cloudpickle), so a function written in a notebook cell works, and
-  its cell's source travels along, so a rank's traceback shows the failing line;
-- the ranks are forked from a fork server that has imported torch once (a fresh interpreter
-  that never touches CUDA, so it stays safe after the notebook used CUDA): a launch takes a
-  tenth of a second instead of seconds of importing torch again;
+- the worker travels by value (cloudpickle) with its cell's source, so a function written in a
+  notebook cell works and a rank's traceback shows the failing line;
+- the ranks are forked from a fork server that imported torch once and never touches CUDA, so a
+  launch takes a tenth of a second and stays safe after the notebook used CUDA;
 - the parent hosts the rendezvous store on a port the operating system picks, as torchrun's
   agent does, so launches back to back or side by side never collide;
-- rank 0's output streams into the notebook as it comes (its progress bar drawn in place on
-  stdout), other ranks' lines are prefixed with their rank, and every rank keeps a log;
+- rank 0's output streams into the notebook (its progress bar drawn in place on stdout), the
+  other ranks' lines are prefixed with their rank, and every rank keeps a log;
 - when a rank fails, the others are stopped within seconds and :class:`WorkerError` names the
   rank that failed first and how (its traceback, or the exit code or signal of a process that
-  died without one), with the other ranks' errors as consequences; collectives that wait longer
-  than ``timeout`` fail instead of hanging; no rank outlives the call, interrupts included.
+  died without one); collectives that wait longer than ``timeout`` fail instead of hanging; no
+  rank outlives the call, interrupts and a killed kernel included.
 """
 
 from __future__ import annotations
 
 import datetime
-import gc
 import inspect
 import io
 import linecache
@@ -59,8 +57,7 @@ __all__ = ["WorkerError", "launch"]
 _GRACE_SECONDS = 3.0  # how long a rank gets to exit on its own before it is stopped (or killed)
 _POLL_SECONDS = 0.05
 # After the first failure, how long to wait for the other ranks' outcome before deciding who
-# failed first: a survivor's "Connection closed by peer" can arrive before the parent sees the
-# exit of the rank that died.
+# failed first: a survivor's "Connection closed by peer" can arrive before the dead rank's exit.
 _SETTLE_SECONDS = 2.0
 _LOG_TAIL_LINES = 12  # lines of a dead rank's log quoted in the error
 # What gloo and NCCL say when the other end of a collective has gone away.
@@ -75,13 +72,12 @@ _LOST_PEER = (
 class WorkerError(RuntimeError):
     """A rank failed: which one failed first, how, and what the other ranks saw (lesson 04).
 
-    ``rank`` is the rank that failed first and ``details`` its traceback (or, for a process that
-    died without one, how it ended and the last lines of its log). ``how`` says how it failed
-    ("raised an exception", "exited with code 3", "killed by SIGKILL"), ``exitcode`` is the
-    process's exit code when it died without a traceback (negative: the signal's number),
-    ``collective`` the torch.distributed call it was waiting in, if any, ``log`` its log file,
-    ``others`` the other failed ranks' details (mostly consequences of the first failure) and
-    ``finished`` the ranks that had already returned from the worker.
+    ``rank`` failed first; ``details`` is its traceback (or, for a process that died without
+    one, how it ended and the last lines of its log); ``how``: "raised an exception", "exited
+    with code 3", "killed by SIGKILL"; ``exitcode``: the exit code of a process that died without
+    a traceback (negative: the signal's number); ``collective``: the torch.distributed call it
+    was waiting in, if any; ``log``: its log file; ``others``: the other failed ranks' details
+    (mostly consequences); ``finished``: the ranks that had already returned from the worker.
     """
 
     def __init__(
@@ -97,14 +93,9 @@ class WorkerError(RuntimeError):
         finished: tuple[int, ...] = (),
         summary: str | None = None,
     ) -> None:
-        self.rank = rank
-        self.details = details
-        self.how = how
-        self.exitcode = exitcode
-        self.collective = collective
-        self.log = log
+        self.rank, self.details, self.how, self.exitcode = rank, details, how, exitcode
+        self.collective, self.log, self.finished = collective, log, tuple(finished)
         self.others = dict(others or {})
-        self.finished = tuple(finished)
         super().__init__(f"{summary or f'rank {rank} failed:'}\n{details}")
 
 
@@ -132,49 +123,67 @@ def launch(
     which keeps the latest 20 runs). A worker that is not callable, or that cannot be pickled
     with its arguments, is refused (ValueError) before any process starts.
     """
-    plan = _placement(placement, device, share_gpus, backend)
+    if isinstance(placement, Placement):
+        given = [
+            f"{name}="
+            for name, value in (
+                ("device", device),
+                ("share_gpus", share_gpus),
+                ("backend", backend),
+            )
+            if value is not None
+        ]
+        if given:
+            raise ValueError(
+                "launch(worker, placement) takes the devices and backend from the placement; "
+                f"drop {', '.join(given)} or pass them to place(...)"
+            )
+    else:
+        placement = place(placement, device or "auto", share_gpus=bool(share_gpus), backend=backend)
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
     payload, sources = _check_worker(worker, args, kwargs)
     logs = Path(log_dir) if log_dir is not None else _new_log_dir()
     logs.mkdir(parents=True, exist_ok=True)
     if echo:
-        print(f"{plan.describe()}; logs in {logs}", flush=True)
+        print(f"{placement.describe()}; logs in {logs}", flush=True)
     # Adds: the parent hosts the rendezvous store on a port the OS picks, so runs never collide;
     # TORCHELASTIC_USE_AGENT_STORE tells env:// (a worker joining by itself) that every rank is
     # a client of it, as under torchrun.
     store = dist.TCPStore(
         "127.0.0.1",
         0,
-        plan.world_size,
+        placement.world_size,
         is_master=True,
         timeout=datetime.timedelta(seconds=max(timeout, 60.0)),
         wait_for_workers=False,
     )
-    method = _start_method()
-    # Variables and folder go as arguments, not through this process's os.environ: two
-    # launches from two threads must not see each other's. A forked rank would otherwise keep
-    # the fork server's, as they were when it started.
+    # The caller's variables, path and folder go as arguments: a forked rank would otherwise
+    # keep the fork server's, as they were when it started (and two launches from two threads
+    # must not share os.environ).
     spec = {
-        "placement": plan,
+        "placement": placement,
         "init": init_process_group,
         "timeout": timeout,
         "log_dir": logs,
-        "method": method,
+        "path": list(sys.path),
+        "cwd": os.getcwd(),
         "environ": {
             **os.environ,
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(store.port),
-            "WORLD_SIZE": str(plan.world_size),
-            "LOCAL_WORLD_SIZE": str(plan.world_size),
+            "WORLD_SIZE": str(placement.world_size),
+            "LOCAL_WORLD_SIZE": str(placement.world_size),
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_RESTART_COUNT": "0",  # older torch releases read it in agent mode
-            "OMP_NUM_THREADS": str(plan.threads_per_rank),  # for libraries the worker starts
+            "MGPU_BACKEND": placement.backend,  # for DistEnv.from_environ (MGPU_DEVICE: _entry)
+            # Not this rank's torch threads (torch.set_num_threads in _entry sets those, and
+            # the OpenMP runtime read the variable when the fork server imported torch): the
+            # processes the worker starts, and libraries it loads later, read it then.
+            "OMP_NUM_THREADS": str(placement.threads_per_rank),
         },
-        "path": list(sys.path),
-        "cwd": os.getcwd(),
     }
-    ranks = [_Rank(rank, None, logs / f"rank{rank}.log") for rank in range(plan.world_size)]
+    ranks = [_Rank(rank, None, logs / f"rank{rank}.log") for rank in range(placement.world_size)]
     pipes = []  # the children's ends: each rank's pipe to this process, then the lifeline
     for state in ranks:  # Adds: a pipe per rank for its output, result and traceback
         read_fd, write_fd = os.pipe()
@@ -187,14 +196,13 @@ def launch(
     procs: list[Any] = []
     try:
         try:
-            context = torch_mp.start_processes(
+            procs = torch_mp.start_processes(
                 _entry,
                 args=(payload, sources, pipes, spec),
-                nprocs=plan.world_size,
+                nprocs=placement.world_size,
                 join=False,  # we supervise: see _supervise
-                start_method=method,
-            )
-            procs = context.processes
+                start_method=_start_method(),
+            ).processes
         finally:
             for pipe in pipes:
                 pipe.close()  # each rank has its own copy; a pipe ends when its rank does
@@ -207,42 +215,25 @@ def launch(
                 _read(state, printer)  # every rank's last words, before the error is shown
             except Exception:  # a garbled message from a rank stopped mid-write: never mind
                 pass
-            finally:
-                state.close()
+            state.close()
         printer.finish()
         del store
     return [r.result for r in ranks]
 
 
-def _placement(
-    placement: Placement | int, device: str | None, share_gpus: bool | None, backend: str | None
-) -> Placement:
-    """The placement a launch runs on: the one given, or ``place()`` of a number of ranks."""
-    if not isinstance(placement, Placement):
-        return place(placement, device or "auto", share_gpus=bool(share_gpus), backend=backend)
-    given = [
-        name
-        for name, value in (("device=", device), ("share_gpus=", share_gpus), ("backend=", backend))
-        if value is not None
-    ]
-    if given:
-        raise ValueError(
-            "launch(worker, placement) takes the devices and backend from the placement; drop "
-            f"{', '.join(given)} or pass them to place(...)"
-        )
-    return placement
-
-
 def _start_method() -> str:
-    """The fork server, with this module (and so torch) preloaded; spawn where there is none.
+    """The fork server, with this module (and so torch) preloaded.
 
     Adds to ``start_processes(start_method="spawn")``: each rank is forked from a process that
     has already imported torch instead of importing it again (seconds per rank). It keeps
     spawn's safety: the server is a fresh interpreter that never touches CUDA, so the caller may
     have used CUDA before. The server starts at the first launch and lives as long as the caller.
     """
-    if "forkserver" not in mp.get_all_start_methods():  # Windows
-        return "spawn"
+    if "forkserver" not in mp.get_all_start_methods():
+        raise RuntimeError(
+            "launch needs the 'forkserver' start method (Linux, macOS); on "
+            "Windows run the course in WSL2"
+        )
     mp.get_context("forkserver").set_forkserver_preload([__name__])
     return "forkserver"
 
@@ -277,35 +268,24 @@ def _pack(obj: object) -> tuple[bytes, dict[str, list[str]]]:
 
     buffer = io.BytesIO()
     _Pickler(buffer).dump(obj)
-    sources = {}
-    for name in filenames:
-        lines = [] if os.path.isfile(name) else linecache.getlines(name)
-        if lines:  # a child reads real files itself
-            sources[name] = lines
-    return buffer.getvalue(), sources
+    sources = {name: linecache.getlines(name) for name in filenames if not os.path.isfile(name)}
+    return buffer.getvalue(), {name: lines for name, lines in sources.items() if lines}
 
 
 def _check_worker(worker: object, args: tuple, kwargs: dict) -> tuple[bytes, dict[str, list[str]]]:
     """Pickle the worker and its arguments, or say what to pass instead (before any process)."""
     if not callable(worker):
+        shown = repr(worker)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
         raise ValueError(
             f"the worker must be a function that every rank calls as worker(env, *args), got "
-            f"{type(worker).__name__} {_short(worker)}; pass the function itself, for example "
+            f"{type(worker).__name__} {shown}; pass the function itself, for example "
             "launch(train, 2, cfg), not launch(train(...), 2)"
         )
     try:
         return _pack((worker, args, kwargs))
     except Exception as exc:
         raise ValueError(_unpicklable(worker, args, kwargs, exc)) from exc
-
-
-def _short(obj: object, width: int = 60) -> str:
-    text = repr(obj)
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def _kind(obj: object) -> str:
-    return f"a {type(obj).__module__}.{type(obj).__qualname__}".replace("a builtins.", "a ")
 
 
 def _fails_to_pickle(obj: object) -> bool:
@@ -318,29 +298,29 @@ def _fails_to_pickle(obj: object) -> bool:
 
 def _unpicklable(worker: Any, args: tuple, kwargs: dict, exc: Exception) -> str:
     """Name what cannot be sent to the ranks: a captured variable or an argument."""
+
+    def kind(obj: object) -> str:
+        return f"a {type(obj).__module__}.{type(obj).__qualname__}".replace("a builtins.", "a ")
+
     name = getattr(worker, "__name__", type(worker).__name__)
-    culprits = []
     if _fails_to_pickle(worker):
-        target = worker.func if hasattr(worker, "func") else worker  # functools.partial
-        try:
-            captured = inspect.getclosurevars(target)
-            variables = {**captured.globals, **captured.nonlocals}
+        try:  # the variables a function (or a functools.partial's function) uses
+            found = inspect.getclosurevars(getattr(worker, "func", worker))
+            used = {**found.globals, **found.nonlocals}
         except TypeError:  # not a plain function (a callable object): it is the culprit
-            variables = {}
-        for var, value in variables.items():
-            if not inspect.ismodule(value) and _fails_to_pickle(value):
-                culprits.append(f"`{var}` ({_kind(value)})")
+            used = {}
+        culprits = [
+            f"`{var}` ({kind(value)})"
+            for var, value in used.items()
+            if not inspect.ismodule(value) and _fails_to_pickle(value)
+        ]
         what = f"the worker `{name}`"
         reason = f"it uses {', '.join(culprits)}, which" if culprits else "it"
     else:
-        for i, value in enumerate(args, start=1):
-            if _fails_to_pickle(value):
-                culprits.append(f"argument {i} ({_kind(value)})")
-        for key, value in kwargs.items():
-            if _fails_to_pickle(value):
-                culprits.append(f"argument {key}= ({_kind(value)})")
-        what = f"the arguments of `{name}`"
-        reason = ", ".join(culprits) if culprits else "they"
+        named = [(f"argument {i}", value) for i, value in enumerate(args, start=1)]
+        named += [(f"argument {key}=", value) for key, value in kwargs.items()]
+        culprits = [f"{label} ({kind(value)})" for label, value in named if _fails_to_pickle(value)]
+        what, reason = f"the arguments of `{name}`", ", ".join(culprits) or "they"
     return (
         f"launch cannot send {what} to the ranks: {reason} cannot be pickled "
         f"({type(exc).__name__}: {exc}). Each rank is a new process that receives a copy of the "
@@ -358,15 +338,11 @@ class _Channel:
 
     Nothing waits in a buffer (as it would in a multiprocessing queue's feeder thread), so a
     rank that ends abruptly (``os._exit``, SIGKILL) has delivered everything it wrote before.
-    Each message is a length-prefixed pickle.
+    Each message is a pickle framed by ``Connection.send_bytes`` (see ``_read``).
     """
 
-    header = struct.Struct("!Q")
-
     def __init__(self, conn: Connection) -> None:
-        self.conn = conn  # kept alive: it owns the file descriptor
-        self.fd = conn.fileno()
-        self.lock = threading.Lock()
+        self.conn, self.lock = conn, threading.Lock()
         os.register_at_fork(after_in_child=self._reset)  # DataLoader workers fork from here
 
     def _reset(self) -> None:
@@ -374,15 +350,9 @@ class _Channel:
 
     def send(self, message: tuple) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        head = self.header.pack(len(data))
-        # One write for a small message (most are lines of output); no copy of a large one.
-        parts = (head + data,) if len(data) < 1 << 16 else (head, data)
         with self.lock:
             try:
-                for part in parts:
-                    view = memoryview(part)
-                    while view:
-                        view = view[os.write(self.fd, view) :]
+                self.conn.send_bytes(data)
             except OSError:  # the parent is gone: the log still has everything
                 pass
 
@@ -415,7 +385,6 @@ def _collective(exc: BaseException | None) -> str | None:
 
     "" means a communication failure whose call is unknown (for example inside DDP's backward).
     """
-    dist_error = getattr(dist, "DistError", ())
     seen: set[int] = set()
     found = None
     while exc is not None and id(exc) not in seen:
@@ -428,9 +397,9 @@ def _collective(exc: BaseException | None) -> str | None:
         public = [name for name in calls if not name.startswith("_") and name != "wrapper"]
         if calls:  # the innermost public call, e.g. barrier, all_reduce, init_process_group
             return (public or calls)[-1]
-        text = str(exc)
-        markers = ("gloo", "NCCL", "Connection closed by peer", "Connection reset by peer")
-        if (dist_error and isinstance(exc, dist_error)) or any(m in text for m in markers):
+        if isinstance(exc, getattr(dist, "DistError", ())) or any(
+            marker in str(exc) for marker in ("gloo", "NCCL", *_LOST_PEER[:2])
+        ):
             found = ""
         exc = exc.__cause__ or exc.__context__
     return found
@@ -440,9 +409,9 @@ def _watch_parent(lifeline: Connection) -> None:
     """End this rank when the launching process dies, even by SIGKILL (a restarted kernel).
 
     Adds: torch's ``start_processes`` asks the kernel to signal a rank when its parent dies
-    (``PR_SET_PDEATHSIG``), but a rank's parent is the fork server, which outlives the caller
-    while any rank runs. The caller holds the only write end of the lifeline; its death closes
-    it, and the read below returns.
+    (``PR_SET_PDEATHSIG``), but a rank's parent is the fork server, which outlives the caller.
+    The caller holds the only write end of the lifeline; its death closes it, and the read below
+    returns.
     """
 
     def watch() -> None:
@@ -455,13 +424,7 @@ def _watch_parent(lifeline: Connection) -> None:
     threading.Thread(target=watch, name="mgpu-lifeline", daemon=True).start()
 
 
-def _entry(
-    rank: int,
-    payload: bytes,
-    sources: dict[str, list[str]],
-    pipes: list[Connection],
-    spec: dict,
-) -> None:
+def _entry(rank: int, payload: bytes, sources: dict, pipes: list[Connection], spec: dict) -> None:
     """What each rank runs, called by torch's ``start_processes`` as ``_entry(rank, ...)``.
 
     ``pipes``: each rank's pipe to the parent, then the lifeline (see ``_watch_parent``).
@@ -472,8 +435,12 @@ def _entry(
     for other in writers:
         if other is not writers[rank]:
             other.close()  # only the parent may hold the other ranks' pipes open
+    placement: Placement = spec["placement"]
+    device = torch.device(placement.devices[rank])
     os.environ.clear()
-    os.environ.update(spec["environ"], RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.update(
+        spec["environ"], RANK=str(rank), LOCAL_RANK=str(rank), MGPU_DEVICE=str(device)
+    )
     sys.path[:] = spec["path"]
     os.chdir(spec["cwd"])
     log = open(spec["log_dir"] / f"rank{rank}.log", "w", buffering=1)  # noqa: SIM115
@@ -483,13 +450,15 @@ def _entry(
     sys.stderr = _Forward("stderr", channel, log)
     for filename, lines in sources.items():  # a notebook cell's source, for the tracebacks
         linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
-    placement: Placement = spec["placement"]
     timeout = datetime.timedelta(seconds=spec["timeout"])
     failed = False
     try:
+        # torch.distributed read TORCH_DISTRIBUTED_DEBUG when the fork server imported it: read
+        # the caller's value again. (Variables torch reads only at import, such as
+        # TORCH_CPP_LOG_LEVEL, keep the server's values: restart the kernel to change them.)
+        dist.set_debug_level_from_env()
         worker, args, kwargs = pickle.loads(payload)
         torch.set_num_threads(placement.threads_per_rank)
-        device = torch.device(placement.devices[rank])
         env = DistEnv(rank, rank, placement.world_size, device, placement.backend)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # "cuda" means this rank's GPU; before NCCL starts
@@ -507,34 +476,26 @@ def _entry(
         if store is not None:
             # Adds: leave the group only once every rank has finished joining it. A rank whose
             # worker returns at once would otherwise close its connections while a slower rank
-            # is still connecting inside init_process_group ("Connection closed by peer"). A
-            # barrier would also complete a collective that another rank called by mistake and
-            # hide that bug; the store is outside the collectives.
-            keys = [f"mgpu/joined/{r}" for r in range(env.world_size)]
+            # is still connecting ("Connection closed by peer"). A barrier would also complete a
+            # collective that another rank called by mistake and hide that bug.
             try:
-                store.wait(keys, timeout)
+                store.wait([f"mgpu/joined/{r}" for r in range(env.world_size)], timeout)
             except Exception:  # a rank that never joined has failed: that one is reported
                 pass
     except BaseException as exc:
         failed = True
-        failed_at = time.time()
         details = traceback.format_exc()
         log.write(details)  # the log keeps every rank's traceback
-        channel.send(("error", details, failed_at, _collective(exc)))
+        channel.send(("error", details, time.time(), _collective(exc)))
     finally:
-        if dist.is_available() and dist.is_initialized():
+        if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # a broken group must not hide the real error
                 pass
-        if spec["method"] == "spawn":
-            # A spawned rank ends through interpreter shutdown, where DDP's gloo group (kept
-            # alive in a reference cycle) can abort the process: collect it while Python is fully
-            # alive. A forked rank ends with os._exit and skips this (about 0.1 s with torch).
-            gc.collect()
         log.flush()
-    if failed:
-        os._exit(1)  # every message was written synchronously: nothing is lost
+    if failed:  # (a forked rank ends with os._exit anyway, skipping interpreter shutdown)
+        os._exit(1)
 
 
 # --- in the parent (Adds: streaming while supervising, attribution, a bounded stop) ---------
@@ -572,8 +533,10 @@ class _Rank:
 
 
 def _read(state: _Rank, printer: _Printer) -> None:
-    """Take in whatever the rank has written so far, without waiting."""
-    header = _Channel.header
+    """Take in whatever the rank has written so far, without waiting.
+
+    The framing is ``Connection.send_bytes``'s: a 4-byte signed size, or -1 and an 8-byte size.
+    """
     while state.fd is not None:
         try:
             chunk = os.read(state.fd, 1 << 20)
@@ -582,19 +545,20 @@ def _read(state: _Rank, printer: _Printer) -> None:
         if not chunk:  # every writer has gone
             state.close()
         state.buffer += chunk
-        while len(state.buffer) >= header.size:
-            (size,) = header.unpack_from(state.buffer)
-            if len(state.buffer) < header.size + size:
+        while len(state.buffer) >= 4:
+            (size,), start = struct.unpack_from("!i", state.buffer), 4
+            if size == -1 and len(state.buffer) >= 12:
+                (size,), start = struct.unpack_from("!Q", state.buffer, 4), 12
+            if size == -1 or len(state.buffer) < start + size:
                 break
-            message = pickle.loads(state.buffer[header.size : header.size + size])
-            del state.buffer[: header.size + size]
-            kind = message[0]
+            kind, *message = pickle.loads(state.buffer[start : start + size])
+            del state.buffer[: start + size]
             if kind == "out":
-                printer.show(state.rank, message[1], message[2])
+                printer.show(state.rank, *message)
             elif kind == "result":
-                state.result, state.returned_at = pickle.loads(message[1]), message[2]
-            elif kind == "error":
-                state.error, state.failed_at, state.collective = message[1].rstrip(), *message[2:]
+                state.result, state.returned_at = pickle.loads(message[0]), message[1]
+            else:
+                state.error, state.failed_at, state.collective = message[0].rstrip(), *message[1:]
 
 
 def _supervise(ranks: list[_Rank], procs: list[Any], printer: _Printer) -> None:
@@ -603,8 +567,7 @@ def _supervise(ranks: list[_Rank], procs: list[Any], printer: _Printer) -> None:
     Why not ``ProcessContext.join``: it waits for process exits only, so it would neither stream
     output while it waits nor notice a rank that reported its error and then hangs in cleanup;
     on a failure it blames whichever exit it happens to see first and, during its grace period,
-    reads nothing, so a rank still printing blocks on its full pipe. Here the output, the
-    results, the errors and the exits are watched together.
+    reads nothing, so a rank still printing blocks on its full pipe.
     """
     failure_seen = returned = None
     while True:
@@ -646,103 +609,6 @@ def _stop(procs: list[Any]) -> None:
             proc.join()
 
 
-# --- showing the ranks' output (Adds: rank 0's lines and progress bar as in a notebook cell) --
-
-
-class _Printer:
-    """Shows the children's output in the parent, a whole line at a time.
-
-    Rank 0's lines appear as they are. Its progress bar (writes that return to the line start
-    with a carriage return, as tqdm's do on stderr) is drawn in place on the parent's *stdout*:
-    in JupyterLab stderr is shown as error output, in red, and a bar erased there (tqdm's
-    ``leave=False`` writes carriage returns and spaces) would leave empty red strips. A line
-    printed while the bar is drawn takes its place and the bar is drawn again below it; an erased
-    bar is overwritten by what comes next. Other ranks' lines get a ``[rank k]`` prefix, and
-    their progress bars become lines on stdout. Empty stderr lines are dropped.
-    """
-
-    def __init__(self, echo: bool) -> None:
-        self.echo = echo
-        self.partial: dict[tuple[int, str], str] = {}
-        self.bar = ""  # rank 0's bar as drawn now ("" when none, or erased)
-        self.width = 0  # characters on the parent's current stdout line that belong to the bar
-        self.bar_stream = ""  # the stream rank 0's bar writes to
-
-    def show(self, rank: int, stream: str, text: str) -> None:
-        if not self.echo or not text:
-            return
-        if rank == 0:
-            self._main(stream, text)
-            return
-        key = (rank, "progress") if "\r" in text else (rank, stream)
-        buffered = self.partial.get(key, "") + text.replace("\r", "\n")
-        *lines, self.partial[key] = buffered.split("\n")
-        for line in lines:
-            if line.strip():
-                self._line(f"[rank {rank}] {line}", "stderr" if key[1] == "stderr" else "stdout")
-
-    def _main(self, stream: str, text: str) -> None:
-        text = text.replace("\x1b[A", "")  # tqdm's cursor-up between nested bars: no terminal
-        key = (0, stream)
-        pending = self.partial.get(key, "")
-        redraw = "\r" in text.replace("\r\n", "\n")
-        ends_bar = text == "\n" and not pending and self.width and stream == self.bar_stream
-        if redraw or ends_bar:
-            self.partial[key] = ""
-            self.bar_stream = stream
-            self._progress(pending + text)
-            return
-        *lines, self.partial[key] = (pending + text).split("\n")
-        for line in lines:
-            self._line(line, stream)
-
-    def _progress(self, text: str) -> None:
-        *ended, current = text.replace("\r\n", "\n").split("\n")
-        for line in ended:
-            shown = line.rsplit("\r", 1)[-1].rstrip()
-            if shown:
-                self._draw(shown)
-            if self.bar:  # a frame followed by a newline stays as a line (tqdm's leave=True)
-                sys.stdout.write("\n")
-                self.bar, self.width = "", 0
-        self._draw(current.rsplit("\r", 1)[-1].rstrip())
-        sys.stdout.flush()
-
-    def _draw(self, shown: str) -> None:
-        self.bar = shown
-        if shown:  # an erased bar ("") stays on screen until the next line overwrites it
-            sys.stdout.write("\r" + shown + " " * (self.width - len(shown)))
-            self.width = max(self.width, len(shown))
-
-    def _line(self, line: str, stream: str) -> None:
-        if stream == "stderr":
-            if line.strip():
-                sys.stderr.write(line + "\n")
-                sys.stderr.flush()
-            return
-        if self.width:  # the bar's line: overwrite it, then draw the bar again below
-            sys.stdout.write("\r" + line + " " * (self.width - len(line)) + "\n")
-            self.width = 0
-            if self.bar:
-                self._draw(self.bar)
-        else:
-            sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-
-    def finish(self) -> None:
-        if not self.echo:
-            return
-        for (rank, stream), rest in self.partial.items():
-            if rest.strip():
-                prefix = "" if rank == 0 else f"[rank {rank}] "
-                self._line(prefix + rest, "stderr" if stream == "stderr" else "stdout")
-        self.partial.clear()
-        if self.width:  # the last frame stays as a line
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-        self.bar, self.width = "", 0
-
-
 def _new_log_dir(keep: int = 20) -> Path:
     """A fresh folder for this run's logs, under one root that keeps the latest ``keep`` runs."""
     root = Path(tempfile.gettempdir()) / "mgpu-runs"
@@ -753,10 +619,87 @@ def _new_log_dir(keep: int = 20) -> Path:
             runs.append((path.stat().st_mtime, path))
         except FileNotFoundError:
             continue
-    runs.sort()
-    for _, old in runs[: max(0, len(runs) - keep + 1)]:
+    for _, old in sorted(runs)[: max(0, len(runs) - keep + 1)]:
         shutil.rmtree(old, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix="run-", dir=root))
+
+
+class _Printer:
+    """Adds: the ranks' output shown in the parent as a notebook cell would, whole lines only.
+
+    Rank 0's lines appear as they are. Its progress bar (a write with a carriage return, as
+    tqdm's on stderr) is drawn in place on *stdout*: JupyterLab shows stderr in red, and a bar
+    erased there (tqdm's ``leave=False``) would leave empty red strips. A line printed under the
+    bar takes its place and the bar is drawn again below it. Other ranks' lines get a
+    ``[rank k]`` prefix, and their progress bars become lines. Empty stderr lines are dropped.
+    """
+
+    def __init__(self, echo: bool) -> None:
+        self.echo = echo
+        self.partial: dict[tuple[int, str], str] = {}  # (rank, stream): its unfinished line
+        self.bar = ""  # rank 0's bar as drawn now ("" when none, or erased)
+        self.width = 0  # characters on the current stdout line that belong to the bar
+        self.bar_stream = ""  # the stream rank 0's bar writes to
+
+    def show(self, rank: int, stream: str, text: str) -> None:
+        if not self.echo or not text:
+            return
+        key, text = (rank, stream), text.replace("\r\n", "\n")
+        if rank and "\r" in text:  # another rank's bar: each frame a line
+            key, text = (rank, "progress"), text.replace("\r", "\n")
+        elif not rank:
+            text = text.replace("\x1b[A", "")  # tqdm's cursor-up between nested bars
+            closes_bar = text == "\n" and not self.partial.get(key) and stream == self.bar_stream
+            if "\r" in text or (closes_bar and self.width):
+                self.bar_stream = stream
+                self._progress(self.partial.pop(key, "") + text)
+                return
+        *lines, self.partial[key] = (self.partial.get(key, "") + text).split("\n")
+        for line in lines:
+            if not rank or line.strip():
+                self._line(f"[rank {rank}] " * (rank > 0) + line, key[1])
+
+    def _progress(self, text: str) -> None:
+        *ended, current = text.split("\n")
+        for line in ended:
+            if line.rsplit("\r", 1)[-1].rstrip():
+                self._draw(line.rsplit("\r", 1)[-1].rstrip())
+            if self.bar:  # a frame followed by a newline stays as a line (tqdm's leave=True)
+                sys.stdout.write("\n")
+                self.bar, self.width = "", 0
+        self._draw(current.rsplit("\r", 1)[-1].rstrip())
+        sys.stdout.flush()
+
+    def _draw(self, shown: str) -> None:
+        self.bar = shown
+        if shown:  # an erased bar ("") stays on screen until the next line overwrites it
+            sys.stdout.write("\r" + shown.ljust(self.width))
+            self.width = max(self.width, len(shown))
+
+    def _line(self, line: str, stream: str) -> None:
+        if stream == "stderr":
+            if line.strip():
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
+            return
+        # On the bar's line: overwrite it, then draw the bar again below.
+        sys.stdout.write("\r" * (self.width > 0) + line.ljust(self.width) + "\n")
+        self.width = 0
+        if self.bar:
+            self._draw(self.bar)
+        sys.stdout.flush()
+
+    def finish(self) -> None:
+        if not self.echo:
+            return
+        for (rank, stream), rest in self.partial.items():
+            if rest.strip():
+                self._line(f"[rank {rank}] " * (rank > 0) + rest, stream)
+        self.partial.clear()
+        if self.width:  # the last frame stays as a line
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        self.bar, self.width = "", 0
 
 
 # --- who failed first (Adds: attribution over every rank's outcome, not the first exit seen) --
@@ -784,108 +727,83 @@ def _how(exitcode: int) -> tuple[str, str]:
     return f"exited with code {exitcode}", "os._exit(), a library calling exit(), or a crash"
 
 
-def _was(how: str) -> str:
-    return f"was {how}" if how.startswith("killed") else how
-
-
-def _log_tail(path: Path) -> str:
-    try:
-        lines = path.read_text(errors="replace").rstrip().splitlines()[-_LOG_TAIL_LINES:]
-    except OSError:
-        return ""
-    return "\n".join(f"    {line}" for line in lines)
-
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else text
-
-
-def _in(collective: str | None) -> str:
+def _within(collective: str) -> str:
     return f"a collective ({collective})" if collective else "a collective"
 
 
-def _lost_a_peer(error: str) -> bool:
-    """Whether a traceback says its collective failed because another rank went away."""
-    return any(marker in error for marker in _LOST_PEER)
+def _lost_a_peer(state: _Rank) -> bool:
+    """Whether its collective failed because another rank went away ("closed by peer")."""
+    return state.collective is not None and any(m in (state.error or "") for m in _LOST_PEER)
 
 
 def _failure(ranks: list[_Rank]) -> WorkerError:
     """Name the rank that failed first and how; the others' errors are listed as consequences.
 
-    A rank that died without a traceback (killed, os._exit, a crash) or raised an error of its
-    own outranks a rank whose collective failed (it timed out, for example), which outranks a
-    rank whose collective lost its peer ("Connection closed by peer": another rank had ended).
-    Within each kind, the earliest wins: the child's clock when it raised, or the parent's when
-    it saw a process end.
+    A rank that died without a traceback or raised an error of its own outranks a rank whose
+    collective failed (it timed out, for example), which outranks a rank whose collective lost
+    its peer (another rank had ended). Within each kind, the earliest wins: the child's clock
+    when it raised, or the parent's when it saw a process end.
     """
-    errors = [r for r in ranks if r.error is not None]
-    own = [(r.exited_at, r.rank) for r in ranks if r.died]
-    own += [(r.failed_at, r.rank) for r in errors if r.collective is None]
-    waited = [
-        (r.failed_at, r.rank)
-        for r in errors
-        if r.collective is not None and not _lost_a_peer(r.error or "")
-    ]
-    lost = [(r.failed_at, r.rank) for r in errors if r.collective is not None]
-    first = ranks[min(own or waited or lost)[1]]
+
+    def rank_of(r: _Rank) -> tuple[int, float]:
+        if r.died:
+            return 0, r.exited_at or 0.0
+        return (0 if r.collective is None else 1 + _lost_a_peer(r)), r.failed_at or 0.0
+
+    first = min((r for r in ranks if r.died or r.error is not None), key=rank_of)
     among = " first" if any(r is not first and (r.died or r.error) for r in ranks) else ""
-    when = first.exited_at if first.died else first.failed_at
-    finished = tuple(
-        r.rank for r in ranks if r.returned_at is not None and r.returned_at <= (when or 0.0)
-    )
+    when = (first.exited_at if first.died else first.failed_at) or 0.0
+    finished = tuple(r.rank for r in ranks if r.returned_at is not None and r.returned_at <= when)
+    how, details, exitcode = "raised an exception", first.error or "", None
+    where = "" if first.collective is None else f" in {_within(first.collective)}"
     if first.died:
-        how, cause = _how(first.exitcode)
-        summary = (
-            f"rank {first.rank} failed{among}: its process {_was(how)} without a Python traceback "
-            f"({cause}); see its log: {first.log}"
-        )
-        tail = _log_tail(first.log)
-        details = (
-            f"{how}; the last lines of its log:\n{tail}" if tail else f"{how}; its log is empty"
-        )
         exitcode = first.exitcode
+        how, cause = _how(exitcode)
+        was = "was " * how.startswith("killed")
+        summary = (
+            f"rank {first.rank} failed{among}: its process {was}{how} without a Python "
+            f"traceback ({cause}); see its log: {first.log}"
+        )
+        try:
+            tail = first.log.read_text(errors="replace").rstrip().splitlines()[-_LOG_TAIL_LINES:]
+        except OSError:
+            tail = []
+        details = f"{how}; " + ("the last lines of its log:\n" if tail else "its log is empty")
+        details += "\n".join(f"    {line}" for line in tail)
+    elif where and finished:
+        done = f"rank{'s' * (len(finished) > 1)} {', '.join(map(str, finished))}"
+        summary = (
+            f"rank {first.rank} failed while waiting{where}: {done} had already returned "
+            "(finished the worker), so never joined it. Every rank must call the same "
+            f"collectives in the same order. Its log: {first.log}"
+        )
     else:
-        how, details, exitcode = "raised an exception", first.error or "", None
-        if first.collective is not None and finished:
-            done = f"rank{'s' * (len(finished) > 1)} {', '.join(map(str, finished))}"
-            summary = (
-                f"rank {first.rank} failed while waiting in {_in(first.collective)}: {done} "
-                f"had already returned (finished the worker), so never joined it. "
-                f"Every rank must call the same collectives in the same order. Its log: "
-                f"{first.log}"
-            )
-        elif first.collective is not None:
-            summary = f"rank {first.rank} failed in {_in(first.collective)}; its log: {first.log}"
-        else:
-            summary = f"rank {first.rank} failed{among}; its log: {first.log}"
+        summary = f"rank {first.rank} failed{where or among}; its log: {first.log}"
     others: dict[int, str] = {}
     notes = []
     for r in ranks:
         if r is first:
             continue
+        where = "" if r.collective is None else f" in {_within(r.collective)}"
         if r.error is not None:
             others[r.rank] = r.error
-            if r.collective is not None and _lost_a_peer(r.error):
+            lines = [line.strip() for line in r.error.splitlines() if line.strip()]
+            said = lines[-1] if lines else r.error
+            if _lost_a_peer(r):
                 notes.append(
-                    f"rank {r.rank} failed in {_in(r.collective)} as a consequence (its peer "
-                    f"had gone): {_last_line(r.error)}"
-                )
-            elif r.collective is not None:
-                notes.append(
-                    f"rank {r.rank} also failed in {_in(r.collective)}: {_last_line(r.error)}"
+                    f"rank {r.rank} failed{where} as a consequence (its peer had gone): {said}"
                 )
             else:
-                notes.append(f"rank {r.rank} also failed: {_last_line(r.error)}")
+                notes.append(f"rank {r.rank} also failed{where}: {said}")
         elif r.died:
-            other_how, _ = _how(r.exitcode)
-            others[r.rank] = f"{other_how} without a Python traceback; see its log: {r.log}"
+            others[r.rank] = (
+                f"{_how(r.exitcode)[0]} without a Python traceback; see its log: {r.log}"
+            )
             notes.append(f"rank {r.rank} also ended: {others[r.rank]}")
-        elif r.returned_at is not None:
-            if r.rank not in finished or first.collective is None:
-                notes.append(f"rank {r.rank} {'had already ' * (r.rank in finished)}returned")
-        else:
+        elif r.returned_at is None:
             notes.append(f"rank {r.rank} was still running; the launcher stopped it")
+        elif r.rank not in finished or first.collective is None:
+            notes.append(f"rank {r.rank} {'had already ' * (r.rank in finished)}returned")
     if notes:
         summary += "\nthe other ranks:\n" + "\n".join(f"  {note}" for note in notes)
     if not first.died:

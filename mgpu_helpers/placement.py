@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["Placement", "place"]
+__all__ = ["Placement", "place", "usable_cpus"]
 
 _DEVICES = ("auto", "cpu", "cuda")
 _BACKENDS = ("gloo", "nccl")
@@ -75,6 +75,15 @@ class Placement:
         )
 
 
+def usable_cpus() -> int:
+    """The CPU cores this process may run on: its affinity (taskset, SLURM's --cpus-per-task,
+    a container's cpuset), not every core of the machine; ``os.cpu_count()`` where the system
+    has no affinity (macOS, Windows)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def _whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -94,7 +103,8 @@ def place(
     more ranks than GPUs, ``share_gpus=True`` puts several ranks on one GPU (rank r on
     ``cuda:{r % n_gpus}``, over gloo); without it that request is refused. ``backend`` overrides
     the choice (refused where it cannot work). ``n_gpus`` and ``cpu_count`` default to this
-    machine's; pass them to ask about another machine.
+    machine's (the cores this process may run on, see :func:`usable_cpus`); pass them to ask
+    about another machine.
     """
     if not _whole(world_size) or world_size < 1:
         raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}")
@@ -110,7 +120,7 @@ def place(
     from .devices import available_backends, gpu_count
 
     gpus = gpu_count() if n_gpus is None else n_gpus
-    cpus = (os.cpu_count() or 1) if cpu_count is None else cpu_count
+    cpus = usable_cpus() if cpu_count is None else cpu_count
     device_type = ("cuda" if gpus >= 1 else "cpu") if device == "auto" else device
     if device_type == "cuda" and gpus == 0:
         raise ValueError("device='cuda' but no GPU is visible; use device='cpu' or 'auto'")

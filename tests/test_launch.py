@@ -15,7 +15,7 @@ from procs import rank_children
 
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.launch import WorkerError, launch
-from mgpu_helpers.placement import place
+from mgpu_helpers.placement import place, usable_cpus
 
 
 def rank_sum(env: DistEnv, scale: float) -> tuple[int, int, float]:
@@ -77,7 +77,7 @@ def test_each_rank_knows_who_it_is_and_threads_are_split() -> None:
     assert [i["is_main"] for i in infos] == [True, False]
     assert {i["backend"] for i in infos} == {"gloo"}
     assert {i["device"] for i in infos} == {"cpu"}
-    expected_threads = max(1, (os.cpu_count() or 1) // 2)
+    expected_threads = max(1, usable_cpus() // 2)  # the cores this process may use
     assert {i["threads"] for i in infos} == {expected_threads}
     assert infos[0]["master"] == infos[1]["master"]
 
@@ -151,6 +151,39 @@ def test_output_is_streamed_with_rank_prefixes_and_logged(capsys, tmp_path) -> N
     assert "[rank 1] hello from rank 1" in out
     assert "launching 2 ranks as CPU processes, backend gloo" in out
     assert "hello from rank 1" in (tmp_path / "rank1.log").read_text()
+
+
+def debug_level(env: DistEnv) -> str:
+    return dist.get_debug_level().name
+
+
+def test_the_callers_torch_distributed_debug_reaches_the_ranks(monkeypatch) -> None:
+    """torch.distributed reads TORCH_DISTRIBUTED_DEBUG once, at import: in the fork server."""
+    monkeypatch.delenv("TORCH_DISTRIBUTED_DEBUG", raising=False)
+    assert launch(debug_level, 2, device="cpu", echo=False) == ["OFF", "OFF"]  # server started
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "DETAIL")  # set later, as in a notebook cell
+    assert launch(debug_level, 2, device="cpu", echo=False) == ["DETAIL", "DETAIL"]
+
+
+def both_records(env: DistEnv) -> tuple[DistEnv, DistEnv]:
+    """The env the launcher passed and the one from_environ() reads, as on a 2-GPU machine."""
+    import importlib
+
+    devices = importlib.import_module("mgpu_helpers.devices")  # patched in this rank only
+    devices.gpu_count = lambda: 2
+    devices.available_backends = lambda: ("gloo", "nccl")
+    try:
+        DistEnv.from_environ("cuda")
+        refused = ""
+    except RuntimeError as exc:
+        refused = str(exc)
+    return env, DistEnv.from_environ(), refused
+
+
+def test_from_environ_inside_a_launch_agrees_with_the_workers_env() -> None:
+    for env, read, refused in launch(both_records, 2, device="cpu", echo=False):
+        assert read == env and env.device == torch.device("cpu") and env.backend == "gloo"
+        assert "launch placed this rank on cpu" in refused
 
 
 def test_launch_takes_a_placement() -> None:

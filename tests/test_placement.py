@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from mgpu_helpers.dist_env import DistEnv
-from mgpu_helpers.placement import Placement, place
+from mgpu_helpers.placement import Placement, place, usable_cpus
 
 VIRTUAL = "(virtual devices: the same hardware stands in for each)"
 
@@ -87,6 +89,17 @@ def test_threads_split_the_cores() -> None:
     assert place(3, "cpu", n_gpus=0, cpu_count=2).threads_per_rank == 1  # never below one
     assert place(2, n_gpus=2, cpu_count=64).threads_per_rank == 4  # a GPU rank needs few
     assert place(2, n_gpus=2, cpu_count=4).threads_per_rank == 2
+
+
+def test_threads_follow_the_cores_this_process_may_use(monkeypatch) -> None:
+    """taskset, SLURM's --cpus-per-task and container cpusets narrow the affinity, not cpu_count."""
+    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert usable_cpus() == 4
+    assert place(2, "cpu", n_gpus=0).threads_per_rank == 2  # not 64 // 2
+    monkeypatch.delattr("os.sched_getaffinity", raising=False)  # macOS, Windows
+    assert usable_cpus() == 64
+    assert place(2, "cpu", n_gpus=0).threads_per_rank == 32
 
 
 def test_describe_is_the_launch_line(with_nccl) -> None:
@@ -183,6 +196,33 @@ def test_from_environ_more_local_ranks_than_gpus_shares_them_over_gloo(
     env = DistEnv.from_environ()
     assert (env.rank, env.local_rank, env.world_size) == (7, 3, 8)
     assert (env.device, env.backend) == (torch.device("cuda:1"), "gloo")  # never NCCL
+
+
+def test_from_environ_says_once_on_local_rank_0_why_gpus_talk_over_gloo(
+    monkeypatch, with_nccl
+) -> None:
+    from mgpu_helpers.dist_env import _say_once
+
+    _say_once.cache_clear()  # once per process: forget earlier tests' warnings
+    monkeypatch.setattr("mgpu_helpers.devices.gpu_count", lambda: 2)
+    torchrun_environ(monkeypatch, rank=4, local_rank=0, world=8, local_world=4)
+    with pytest.warns(UserWarning, match=r"chose the gloo backend: Only 2 GPU\(s\) for 4"):
+        assert DistEnv.from_environ().backend == "gloo"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second call, or another local rank: silent
+        DistEnv.from_environ()
+        torchrun_environ(monkeypatch, rank=5, local_rank=1, world=8, local_world=4)
+        DistEnv.from_environ()
+
+
+def test_from_environ_honours_the_launchers_placement(monkeypatch, with_nccl) -> None:
+    monkeypatch.setattr("mgpu_helpers.devices.gpu_count", lambda: 2)
+    torchrun_environ(monkeypatch, rank=1, local_rank=1, world=2, local_world=2)
+    monkeypatch.setenv("MGPU_DEVICE", "cpu")  # launch(worker, place(2, "cpu")) set these
+    monkeypatch.setenv("MGPU_BACKEND", "gloo")
+    assert DistEnv.from_environ() == DistEnv(1, 1, 2, torch.device("cpu"), "gloo")
+    with pytest.raises(RuntimeError, match="launch placed this rank on cpu"):
+        DistEnv.from_environ("cuda")
 
 
 def test_from_environ_one_gpu_per_local_rank_gets_nccl(monkeypatch, with_nccl) -> None:
