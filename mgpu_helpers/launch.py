@@ -124,16 +124,8 @@ def launch(
     with its arguments, is refused (ValueError) before any process starts.
     """
     if isinstance(placement, Placement):
-        given = [
-            f"{name}="
-            for name, value in (
-                ("device", device),
-                ("share_gpus", share_gpus),
-                ("backend", backend),
-            )
-            if value is not None
-        ]
-        if given:
+        keywords = {"device=": device, "share_gpus=": share_gpus, "backend=": backend}
+        if given := [name for name, value in keywords.items() if value is not None]:
             raise ValueError(
                 "launch(worker, placement) takes the devices and backend from the placement; "
                 f"drop {', '.join(given)} or pass them to place(...)"
@@ -150,14 +142,8 @@ def launch(
     # Adds: the parent hosts the rendezvous store on a port the OS picks, so runs never collide;
     # TORCHELASTIC_USE_AGENT_STORE tells env:// (a worker joining by itself) that every rank is
     # a client of it, as under torchrun.
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        placement.world_size,
-        is_master=True,
-        timeout=datetime.timedelta(seconds=max(timeout, 60.0)),
-        wait_for_workers=False,
-    )
+    wait_at_most = datetime.timedelta(seconds=max(timeout, 60.0))
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_at_most, wait_for_workers=False)
     # The caller's variables, path and folder go as arguments: a forked rank would otherwise
     # keep the fork server's, as they were when it started (and two launches from two threads
     # must not share os.environ).
@@ -494,7 +480,7 @@ def _entry(rank: int, payload: bytes, sources: dict, pipes: list[Connection], sp
             except Exception:  # a broken group must not hide the real error
                 pass
         log.flush()
-    if failed:  # (a forked rank ends with os._exit anyway, skipping interpreter shutdown)
+    if failed:  # end now: its threads and child processes are not waited for
         os._exit(1)
 
 
@@ -523,7 +509,7 @@ class _Rank:
         return self.exitcode is not None and self.error is None and self.returned_at is None
 
     @property
-    def settled(self) -> bool:
+    def settled(self) -> bool:  # its outcome is known
         return self.error is not None or self.returned_at is not None or self.exitcode is not None
 
     def close(self) -> None:

@@ -165,7 +165,7 @@ def test_the_callers_torch_distributed_debug_reaches_the_ranks(monkeypatch) -> N
     assert launch(debug_level, 2, device="cpu", echo=False) == ["DETAIL", "DETAIL"]
 
 
-def both_records(env: DistEnv) -> tuple[DistEnv, DistEnv]:
+def both_records(env: DistEnv) -> tuple[DistEnv, DistEnv, str]:
     """The env the launcher passed and the one from_environ() reads, as on a 2-GPU machine."""
     import importlib
 
