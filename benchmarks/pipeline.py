@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import platform
 import queue
@@ -81,6 +82,7 @@ lesson = load_lesson_code(
         "Event": Event,
         "F": F,
         "Tensor": Tensor,
+        "functools": functools,
         "Timeline": Timeline,
         "nn": nn,
         "queue": queue,
