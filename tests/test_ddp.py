@@ -31,6 +31,7 @@ from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.launch import launch
 from mgpu_helpers.lesson_code import load_lesson_code
 from mgpu_helpers.models import build_model, small_cnn
+from mgpu_helpers.timing import synchronize
 from mgpu_helpers.train import EpochResult, History, seed_everything
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +52,7 @@ LESSON_04 = load_lesson_code(
         "evaluate_distributed": evaluate_distributed,
         "make_loader": make_loader,
         "seed_everything": seed_everything,
+        "synchronize": synchronize,
         "time": time,
         "torch": torch,
     },
