@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 
 import matplotlib
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
@@ -46,12 +47,15 @@ def plot_history(runs: History | Mapping[str, History], title: str = "") -> Figu
     Epochs are whole numbers on the axis. When a run's curve coincides with an earlier run's
     (within 0.5% of the axis, as one device and ``nn.DataParallel`` do in lesson 03), the earlier
     one is drawn thick and pale and the later one thin with x/+ markers on top of it; the
-    legend and the title say so, so that no run seems to be missing.
+    legend and the title say so, so that no run seems to be missing. A single ``History``
+    draws curves named "train" and "test"; a mapping names each run by its key. The legend
+    sits below both panels, one column per run, where it covers no curve.
     """
     if isinstance(runs, History):
-        runs = {"run": runs}
+        runs = {"": runs}  # one unnamed run: its curves are just "train" and "test"
     items = list(runs.items())
-    fig = Figure(figsize=(10, 3.6))
+    # constrained layout leaves room for the figure legend outside the panels
+    fig = Figure(figsize=(10, 4.2), layout="constrained")
     ax_loss, ax_acc = fig.subplots(1, 2)
     losses = [v for _, h in items for v in (*h.train_loss, *h.test_loss) if not math.isnan(v)]
     loss_span = (max(losses) - min(losses)) if losses else 0.0
@@ -87,7 +91,7 @@ def plot_history(runs: History | Mapping[str, History], title: str = "") -> Figu
                     linewidth=1.2,
                     color=color,
                     zorder=3,
-                    label=f"{label} {kind} (drawn over {items[twin[(i, key)]][0]})",
+                    label=f"{_name(label, kind)} (drawn over {items[twin[(i, key)]][0]})",
                 )
             elif (i, key) in under:  # thick and pale, so the curve on top stays visible
                 ax.plot(
@@ -99,7 +103,7 @@ def plot_history(runs: History | Mapping[str, History], title: str = "") -> Figu
                     linewidth=4.5,
                     alpha=0.4,
                     color=color,
-                    label=f"{label} {kind}",
+                    label=_name(label, kind),
                 )
             else:
                 ax.plot(
@@ -108,14 +112,19 @@ def plot_history(runs: History | Mapping[str, History], title: str = "") -> Figu
                     linestyle=style,
                     marker=marker,
                     color=color,
-                    label=f"{label} {kind}",
+                    label=_name(label, kind),
                 )
     ax_loss.set(xlabel="epoch", ylabel="loss", title="loss")
     ax_acc.set(xlabel="epoch", ylabel="accuracy", title="accuracy", ylim=(0, 1.02))
     for ax in (ax_loss, ax_acc):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # no epoch 1.5
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small", framealpha=0.5)  # points under the legend show through
+    # Both panels have the same curves, so one legend serves both. Inside a panel it would sit
+    # on some curve (test curves cross the train ones); below the panels it covers nothing.
+    # One column per run, each reading "train" over "test" (a single run: one row).
+    handles, labels = ax_loss.get_legend_handles_labels()
+    columns = 2 if len(items) == 1 else min(len(items), 3)
+    fig.legend(handles, labels, loc="outside lower center", ncols=columns, fontsize="small")
     if twin:
         shared: dict[tuple[int, int], list[str]] = {}
         for (i, key), j in twin.items():
@@ -131,8 +140,12 @@ def plot_history(runs: History | Mapping[str, History], title: str = "") -> Figu
         fig.suptitle(title, fontsize="medium")  # two lines: the note in a smaller size
     elif title:
         fig.suptitle(title)
-    fig.tight_layout()
     return fig
+
+
+def _name(run: str, kind: str) -> str:
+    """A curve's legend entry: ``DDP train``, or just ``train`` for an unnamed single run."""
+    return f"{run} {kind}" if run else kind
 
 
 def plot_throughput(
@@ -149,7 +162,8 @@ def plot_throughput(
     """
     labels = list(samples_per_sec)
     values = [samples_per_sec[k] for k in labels]
-    fig = Figure(figsize=(max(4.0, 1.4 * len(labels) + 2), 3.6))
+    legend_room = 1.8 if ideal or ranges else 0.0  # inches for the legend beside the axes
+    fig = Figure(figsize=(max(4.0, 1.4 * len(labels) + 2) + legend_room, 3.6))
     ax = fig.subplots()
     bars = ax.bar(labels, values, color=[f"C{i}" for i in range(len(labels))])
     # With whiskers, the numbers go inside the bars, where no whisker can cover them.
@@ -186,14 +200,19 @@ def plot_throughput(
             xs,
             [ideal[labels[i]] for i in xs],
             marker="_",
-            s=900,
+            s=900,  # a mark about as wide as a bar
+            linewidths=2,
             color="black",
             zorder=3,
-            label="ideal",
         )
     if ideal or ranges:
-        ax.legend(loc="upper left", fontsize="small")
-    ax.set_ylim(0, 1.25 * max(tops))  # headroom for the labels and the legend
+        handles, names = ax.get_legend_handles_labels()  # the whisker, when there is one
+        if ideal:  # the bar-wide mark would overrun its label: the legend shows a short line
+            handles.append(Line2D([], [], color="black", linewidth=2))
+            names.append("ideal")
+        # beside the axes, so that it covers no bar, whisker or mark
+        ax.legend(handles, names, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small")
+    ax.set_ylim(0, 1.12 * max(tops))  # headroom for the value labels above the bars
     ax.set(ylabel="samples / s", title=title)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()

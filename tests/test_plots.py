@@ -12,6 +12,8 @@ import pytest  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.container import BarContainer, ErrorbarContainer  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.transforms import Bbox  # noqa: E402
 
 from mgpu_helpers.plots import plot_history, plot_throughput  # noqa: E402
 from mgpu_helpers.train import History  # noqa: E402
@@ -26,6 +28,18 @@ def _history(n: int = 3, offset: float = 0.0) -> History:
         test_acc=[0.25 + 0.2 * i - offset / 2 for i in range(n)],
         samples_per_sec=[1000.0] * n,
     )
+
+
+def _legend_texts(fig: Figure) -> list[str]:
+    """The entries of plot_history's one legend, which belongs to the figure, not a panel."""
+    (legend,) = fig.legends
+    assert all(ax.get_legend() is None for ax in fig.axes)
+    return [t.get_text() for t in legend.get_texts()]
+
+
+def _overlaps(a: Bbox, b: Bbox) -> bool:
+    """Whether two boxes share area (touching edges do not count)."""
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
 
 
 def _png(fig: Figure) -> bytes:
@@ -55,12 +69,30 @@ def test_plot_history_several_runs_have_one_colour_each():
     fig = plot_history(runs)
     ax_loss, ax_acc = fig.axes
     assert len(ax_loss.lines) == 2 * len(runs) and len(ax_acc.lines) == 2 * len(runs)
-    labels = [t.get_text() for t in ax_loss.get_legend().get_texts()]
+    labels = _legend_texts(fig)
     assert labels[:2] == ["1 device train", "1 device test"]
     assert "DDP test" in labels
     colours = [line.get_color() for line in ax_loss.lines]
     assert colours[0] == colours[1] and colours[0] != colours[2]
     assert fig.get_suptitle() == ""
+
+
+def test_plot_history_single_run_names_its_curves_train_and_test():
+    assert _legend_texts(plot_history(_history())) == ["train", "test"]  # no "run train"
+
+
+@pytest.mark.parametrize("n_runs", [1, 2, 3])
+def test_plot_history_legend_covers_no_panel(n_runs):
+    runs = {f"run {i}": _history(offset=0.3 * i) for i in range(n_runs)}
+    runs["same as run 0"] = _history()  # the longest labels: "(drawn over run 0)"
+    fig = plot_history(runs, title="a title")
+    FigureCanvasAgg(fig).draw()  # lay out, so that legend and panels have their final places
+    (legend,) = fig.legends
+    box = legend.get_window_extent()
+    figure_box = fig.bbox
+    assert figure_box.x0 <= box.x0 and box.x1 <= figure_box.x1 and box.y0 >= figure_box.y0
+    for ax in fig.axes:
+        assert not _overlaps(box, ax.get_window_extent()), f"the legend covers {ax.get_title()}"
 
 
 def test_plot_history_epoch_ticks_are_whole_numbers():
@@ -83,9 +115,9 @@ def test_plot_history_draws_coinciding_runs_distinguishably_and_says_so():
             assert high.get_zorder() > low.get_zorder()
             assert low.get_alpha() is not None and low.get_alpha() < 1
             assert high.get_marker() in ("x", "+") and low.get_marker() in ("o", "s")
-        labels = [t.get_text() for t in ax.get_legend().get_texts()]
-        assert "nn.DataParallel train (drawn over one device)" in labels
-        assert "nn.DataParallel test (drawn over one device)" in labels
+    labels = _legend_texts(fig)  # one legend for both panels
+    assert "nn.DataParallel train (drawn over one device)" in labels
+    assert "nn.DataParallel test (drawn over one device)" in labels
     title = fig.get_suptitle()
     assert title.startswith("lesson 03\n")
     assert "nn.DataParallel coincides with one device (" in title  # every curve: no list
@@ -150,6 +182,25 @@ def test_plot_throughput_ideal_markers_only_where_given():
     (markers,) = ax.collections
     assert markers.get_offsets().tolist() == [[1.0, 2000.0], [2.0, 4000.0]]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["ideal"]
+
+
+def test_plot_throughput_legend_sits_beside_the_bars_and_its_mark_clears_its_label():
+    speeds = {"1 rank": 791.0, "2 ranks": 752.0}
+    fig = plot_throughput(
+        speeds,
+        {"1 rank": 791.0, "2 ranks": 1582.0},
+        ranges={"1 rank": (695.0, 829.0), "2 ranks": (705.0, 843.0)},
+    )
+    FigureCanvasAgg(fig).draw()
+    ax = fig.axes[0]
+    legend = ax.get_legend()
+    box = legend.get_window_extent()
+    assert not _overlaps(box, ax.get_window_extent()), "the legend covers the bars"
+    assert box.x1 <= fig.bbox.x1, "the legend is cut off at the figure's edge"
+    texts = {t.get_text(): t for t in legend.get_texts()}
+    (ideal_mark,) = [h for h in legend.legend_handles if isinstance(h, Line2D)]
+    mark, label = ideal_mark.get_window_extent(), texts["ideal"].get_window_extent()
+    assert mark.x1 < label.x0, f"the ideal mark (to {mark.x1:.0f}) runs into its label"
 
 
 @pytest.mark.parametrize("n", [1, 6])
