@@ -265,9 +265,9 @@ def fit(
                 else None
             )
             history.append(epoch + 1, train, test)
-            bar.set_postfix(
-                loss=f"{train.loss:.3f}",
-                test_acc=f"{test.accuracy:.3f}" if test else "-",
-                samples_s=f"{train.samples_per_sec:,.0f}",
+            test_acc = f"{test.accuracy:.3f}" if test else "-"
+            bar.set_postfix_str(  # a string: tqdm would write keyword postfixes as name=value
+                f"loss={train.loss:.3f}, test_acc={test_acc}, "
+                f"{train.samples_per_sec:,.0f} samples/s"
             )
     return history

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 
 import numpy as np
 import pytest
@@ -140,6 +141,19 @@ def test_fit_with_an_empty_test_loader_raises_instead_of_skipping_it():
     train = make_loader(_tiny_data(), 8, "cpu")
     with pytest.raises(ValueError, match="no batches"):
         fit(model, train, make_loader(empty, 8, "cpu"), opt, "cpu", 1, progress=False)
+
+
+def test_fit_progress_bar_reads_samples_per_second(capsys):
+    """The epoch bar's postfix ends with the throughput as a reader says it: N samples/s."""
+    data = _tiny_data()
+    model = mlp(4, 3, hidden=8, depth=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fit(model, make_loader(data, 8, "cpu"), make_loader(data, 8, "cpu"), opt, "cpu", 2)
+    err = capsys.readouterr().err
+    final = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("epochs")][-1]
+    assert "2/2" in final and "loss=" in final and "test_acc=" in final, final
+    assert re.search(r"[\d,]+ samples/s\]", final), final
+    assert "samples_s" not in err, final
 
 
 @pytest.mark.parametrize("epochs", [0, -1, 1.5, "2", None])
