@@ -360,9 +360,8 @@ if __name__ == "__main__":
 """
 
 
-def test_interrupting_the_caller_stops_every_rank(tmp_path) -> None:
-    """What happens when a learner interrupts the kernel: SIGINT reaches the launching process."""
-    import signal
+def _signal_the_caller_once_ranks_run(tmp_path, sig: int) -> tuple[list[int], str]:
+    """Run INTERRUPTED_SCRIPT, send ``sig`` to it once both ranks are up: (rank pids, stdout)."""
     import subprocess
     import sys
 
@@ -379,11 +378,19 @@ def test_interrupting_the_caller_stops_every_rank(tmp_path) -> None:
             time.sleep(0.2)
         time.sleep(0.5)
         pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, _ = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
+    return pids, out
+
+
+def test_interrupting_the_caller_stops_every_rank(tmp_path) -> None:
+    """What happens when a learner interrupts the kernel: SIGINT reaches the launching process."""
+    import signal
+
+    pids, out = _signal_the_caller_once_ranks_run(tmp_path, signal.SIGINT)
     assert "interrupted" in out
     for pid in pids:
         alive = psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -393,25 +400,8 @@ def test_interrupting_the_caller_stops_every_rank(tmp_path) -> None:
 def test_killing_the_caller_outright_stops_every_rank(tmp_path) -> None:
     """A kernel restarted or killed with SIGKILL runs no cleanup: the ranks must end anyway."""
     import signal
-    import subprocess
-    import sys
 
-    script = tmp_path / "run.py"
-    script.write_text(INTERRUPTED_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 90
-        while not all((tmp_path / f"pid{r}").exists() for r in range(2)):
-            assert time.monotonic() < deadline, "the ranks never started"
-            assert proc.poll() is None, "the launching process died early"
-            time.sleep(0.2)
-        time.sleep(0.5)
-        pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    pids, _ = _signal_the_caller_once_ranks_run(tmp_path, signal.SIGKILL)
 
     def alive(pid: int) -> bool:
         try:
