@@ -1,20 +1,19 @@
 """Is this environment ready for the course? Findings, not printouts (lesson 00, `mgpu doctor`).
 
-:func:`diagnose` looks at the install, the driver and the GPUs and returns one
-:class:`Finding` per fact or verdict. Nothing here prints: ``mgpu doctor`` prints the findings
-as a report (``mgpu_helpers/tooling/cli.py``) and lesson 00 reads the same findings, so the
-verdicts are decided once. Like :func:`mgpu_helpers.devices.describe_hardware`, looking creates
-no CUDA context in the calling process.
+``mgpu doctor`` prints the findings of :func:`diagnose` (``tooling/cli.py``) and lesson 00 reads
+them, so each verdict is decided once. Looking creates no CUDA context in the calling process.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
+import itertools
 import os
 import re
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from mgpu_helpers.config import course_root
@@ -58,27 +57,18 @@ def first(findings: Sequence[Finding], topic: str) -> Finding:
     raise ValueError(f"no finding about {topic!r}; the topics found: {topics}")
 
 
-def _reinstall() -> str:
-    return f"pip install torch=={PINNED['torch']} torchvision=={PINNED['torchvision']}"
+_REINSTALL = f"pip install torch=={PINNED['torch']} torchvision=={PINNED['torchvision']}"
 
 
-def _versions() -> list[Finding]:
-    found = []
+def _versions() -> Iterator[Finding]:
     for name, want in PINNED.items():
         try:
             have = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             have = "missing"
         if not have.startswith(want):
-            found.append(
-                Finding(
-                    "warning",
-                    "versions",
-                    f"{name} {have} installed; the course pins {want}",
-                    "pip install -r requirements.txt",
-                )
-            )
-    return found
+            message = f"{name} {have} installed; the course pins {want}"
+            yield Finding("warning", "versions", message, "pip install -r requirements.txt")
 
 
 def _torchvision() -> Finding:
@@ -90,12 +80,8 @@ def _torchvision() -> Finding:
         nms(torch.zeros(1, 4), torch.zeros(1), 0.5)  # fails when torchvision does not match torch
     except Exception as exc:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return Finding(
-            "problem",
-            "torchvision",
-            f"torchvision is broken ({first_line})",
-            f"reinstall the matching pair: {_reinstall()}",
-        )
+        fix = f"reinstall the matching pair: {_REINSTALL}"
+        return Finding("problem", "torchvision", f"torchvision is broken ({first_line})", fix)
     return Finding("info", "torchvision", torchvision.__version__)
 
 
@@ -113,90 +99,84 @@ def _driver(hw: Hardware, smi_installed: bool, listing: str | None, header: str)
     """
     build = hw.cuda_build
     found = re.search(r"CUDA Version:\s*([\d.]+)", header)
-    driver_cuda = found.group(1) if found else None
+    driver = found.group(1) if found else None
+    have, want = _version(driver or ""), _version(build or "")
+    older = bool(driver and build) and have < want
+    older_major = older and have[:1] < want[:1]
+
+    def verdict(level: str, message: str, fix: str = "") -> Finding:
+        return Finding(level, "driver", message, fix)
+
     if hw.gpus and not hw.cuda_error:
         works = f"torch for CUDA {build or '?'} sees {len(hw.gpus)} GPU(s)"
-        if driver_cuda and build and _version(driver_cuda)[:1] < _version(build)[:1]:
-            return Finding(
+        if older_major:
+            return verdict(
                 "ok",
-                "driver",
-                f"{works}, although nvidia-smi reports a driver for CUDA {driver_cuda}, an older "
+                f"{works}, although nvidia-smi reports a driver for CUDA {driver}, an older "
                 "major version: a CUDA forward-compatibility package (datacenter GPUs, e.g. NGC "
                 "containers) bridges the gap",
             )
-        if driver_cuda and build and _version(driver_cuda) < _version(build):
-            return Finding(
+        if older:
+            return verdict(
                 "ok",
-                "driver",
-                f"{works}; the driver (CUDA {driver_cuda}) is older than torch's CUDA {build} but "
+                f"{works}; the driver (CUDA {driver}) is older than torch's CUDA {build} but "
                 "of the same major version, which works (minor-version compatibility); only "
                 "PTX-only GPU code and the newest CUDA features need a newer driver",
             )
-        if not smi_installed:
-            return Finding(
-                "ok", "driver", f"{works} (nvidia-smi is not on the PATH, as under WSL2)"
-            )
-        return Finding("ok", "driver", works)
+        return verdict(
+            "ok",
+            works + ("" if smi_installed else " (nvidia-smi is not on the PATH, as under WSL2)"),
+        )
     if not smi_installed and hw.gpus:  # the probe found GPUs but failed on them
-        return Finding(
+        return verdict(
             "problem",
-            "driver",
             f"torch finds {len(hw.gpus)} GPU(s) but cannot use them, and nvidia-smi is not on "
             "the PATH to say why",
             "install or repair the NVIDIA driver (its nvidia-smi shows the CUDA version it "
             "supports)",
         )
+    if not smi_installed and build is None:
+        return verdict(
+            "ok", "CPU-only torch on a machine without NVIDIA GPUs; every lesson runs on the CPU"
+        )
     if not smi_installed:
-        if build is None:
-            return Finding(
-                "ok",
-                "driver",
-                "CPU-only torch on a machine without NVIDIA GPUs; every lesson runs on the CPU",
-            )
-        return Finding(
-            "ok",
-            "driver",
-            f"a CUDA {build} build of torch, but no NVIDIA driver: torch uses the CPU",
+        return verdict(
+            "ok", f"a CUDA {build} build of torch, but no NVIDIA driver: torch uses the CPU"
         )
     if listing is None:
-        return Finding(
-            "problem",
-            "driver",
-            "nvidia-smi is installed but fails",
-            "run nvidia-smi in a terminal to see why (often a driver that is not loaded)",
-        )
+        fix = "run nvidia-smi in a terminal to see why (often a driver that is not loaded)"
+        return verdict("problem", "nvidia-smi is installed but fails", fix)
     if not listing.strip():
-        return Finding("info", "driver", "the NVIDIA driver is installed but lists no GPU")
+        return verdict("info", "the NVIDIA driver is installed but lists no GPU")
     if build is None:
-        return Finding(
+        return verdict(
             "problem",
-            "driver",
             "nvidia-smi lists GPUs but torch sees none: this torch is a CPU-only build",
-            f"install the CUDA build: {_reinstall()}",
+            f"install the CUDA build: {_REINSTALL}",
         )
-    if driver_cuda and _version(driver_cuda)[:1] < _version(build)[:1]:
-        major = _version(driver_cuda)[0]
-        return Finding(
+    if older_major:
+        return verdict(
             "problem",
-            "driver",
-            f"the driver supports CUDA {driver_cuda}, an older major version than torch's "
+            f"the driver supports CUDA {driver}, an older major version than torch's "
             f"CUDA {build}: torch cannot use the GPUs",
-            f"update the NVIDIA driver, or install a torch built for CUDA {major} (datacenter "
+            f"update the NVIDIA driver, or install a torch built for CUDA {have[0]} (datacenter "
             "GPUs: or the CUDA forward-compatibility package)",
         )
-    return Finding(
+    return verdict(
         "problem",
-        "driver",
         "nvidia-smi lists GPUs but torch " + ("cannot use them" if hw.gpus else "sees none"),
         f"update the NVIDIA driver to one that supports CUDA {build}, or install a torch "
         "built for an older CUDA",
     )
 
 
-def _gpu_memory(usage: str | None) -> list[Finding]:
+def _gpu_memory(usage: str | None) -> Iterator[Finding]:
     """GPU memory already in use before the course starts (lesson 00, section 5.3)."""
-    found = []
-    checked = 0
+    busy, checked = 0, 0
+    fix = (
+        "another process holds it; `nvidia-smi --query-compute-apps=pid,used_memory "
+        "--format=csv` names it: stop it, or use another GPU"
+    )
     for line in (usage or "").strip().splitlines():
         try:
             index, used, total = (int(float(part)) for part in line.split(","))
@@ -204,160 +184,85 @@ def _gpu_memory(usage: str | None) -> list[Finding]:
             continue
         checked += 1
         if total > 0 and used / total >= BUSY_SHARE:
-            found.append(
-                Finding(
-                    "warning",
-                    "gpu memory",
-                    f"GPU {index}: {used:,} of {total:,} MiB already in use ({used / total:.0%})",
-                    "another process holds it; `nvidia-smi --query-compute-apps=pid,used_memory "
-                    "--format=csv` names it: stop it, or use another GPU",
-                )
-            )
-    if checked and not found:
-        found.append(
-            Finding(
-                "ok", "gpu memory", f"under {BUSY_SHARE:.0%} in use on each of {checked} GPU(s)"
-            )
-        )
-    return found
+            busy += 1
+            message = f"GPU {index}: {used:,} of {total:,} MiB already in use ({used / total:.0%})"
+            yield Finding("warning", "gpu memory", message, fix)
+    if checked and not busy:
+        message = f"under {BUSY_SHARE:.0%} in use on each of {checked} GPU(s)"
+        yield Finding("ok", "gpu memory", message)
 
 
-def _hidden_gpus(hw: Hardware, names: str | None) -> list[Finding]:
+def _hidden_gpus(hw: Hardware, names: str | None) -> Iterator[Finding]:
     """GPUs the driver lists that CUDA_VISIBLE_DEVICES hides from torch (section 5.5)."""
     listed = sum(line.startswith("GPU ") for line in (names or "").splitlines())
-    if hw.visible_devices is None or listed <= len(hw.gpus):
-        return []
-    return [
-        Finding(
-            "warning",
-            "visible GPUs",
-            f"torch sees {len(hw.gpus)} of the {listed} GPUs the driver lists "
-            f"(CUDA_VISIBLE_DEVICES={hw.visible_devices!r})",
-            "unset CUDA_VISIBLE_DEVICES unless you (or your scheduler) set it on purpose",
-        )
-    ]
-
-
-def _cpu_cores(hw: Hardware) -> Finding:
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else hw.cpu_count
-    return Finding("info", "CPU cores", f"{hw.cpu_count} ({usable} usable by this process)")
-
-
-def _disk(min_free_gib: float) -> Finding:
-    root = course_root()
-    free = shutil.disk_usage(root).free / 2**30
-    message = f"{free:.1f} GiB free where the course is ({root})"
-    if free < min_free_gib:
-        return Finding(
-            "warning",
-            "disk",
-            message,
-            f"free some space: data sets and checkpoints want at least {min_free_gib:g} GiB",
-        )
-    return Finding("ok", "disk", message)
-
-
-def _gpu_lines(hw: Hardware) -> list[Finding]:
-    if not hw.gpus:
-        return [Finding("info", "GPUs", "none visible to torch")]
-    found = [
-        Finding(
-            "info",
-            f"cuda:{g.index}",
-            f"{g.name}, {g.total_memory_gib} GiB, compute capability "
-            f"{g.capability[0]}.{g.capability[1]}, {g.multi_processor_count} SMs",
-        )
-        for g in hw.gpus
-    ]
-    if len(hw.gpus) > 1:
-        pairs = [
-            f"{i}->{j}:{'yes' if ok else 'no'}"
-            for i, row in enumerate(hw.peer_access)
-            for j, ok in enumerate(row)
-            if i != j
-        ]
-        found.append(Finding("info", "peer access", "  ".join(pairs)))
-    return found
+    if hw.visible_devices is not None and listed > len(hw.gpus):
+        hidden = f"CUDA_VISIBLE_DEVICES={hw.visible_devices!r}"
+        message = f"torch sees {len(hw.gpus)} of the {listed} GPUs the driver lists ({hidden})"
+        fix = "unset CUDA_VISIBLE_DEVICES unless you (or your scheduler) set it on purpose"
+        yield Finding("warning", "visible GPUs", message, fix)
 
 
 def diagnose(
     hardware: Hardware | None = None, *, min_free_disk_gib: float = 10.0
 ) -> tuple[Finding, ...]:
-    """Everything `mgpu doctor` reports, as findings in report order (lesson 00).
-
-    Facts come as ``info``, passed checks as ``ok``; ``warning`` and ``problem`` findings carry
-    the fix. :func:`exit_code` turns them into the doctor's status. ``hardware``: what
-    :func:`~mgpu_helpers.devices.describe_hardware` returned, when the caller has it already.
-    """
+    """Everything `mgpu doctor` reports, in its order (lesson 00; pass ``hardware`` if at hand)."""
     hw = describe_hardware() if hardware is None else hardware
-    findings = [
-        Finding("info", "python", f"{hw.python} ({sys.executable})"),
-        Finding(
-            "info", "torch", f"{hw.torch}  (CUDA build: {hw.cuda_build or 'none, CPU-only build'})"
-        ),
-        *_versions(),
-        _torchvision(),
-        Finding(
-            "info",
-            "backends",
-            f"{', '.join(hw.backends) or 'none'}  (NCCL {hw.nccl_version or '-'})",
-        ),
-    ]
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else hw.cpu_count
+    findings: list[Finding] = []
+
+    def add(level: str, topic: str, message: str, fix: str = "") -> None:
+        findings.append(Finding(level, topic, message, fix))
+
+    add("info", "python", f"{hw.python} ({sys.executable})")
+    add("info", "torch", f"{hw.torch}  (CUDA build: {hw.cuda_build or 'none, CPU-only build'})")
+    findings += [*_versions(), _torchvision()]
+    add("info", "backends", f"{', '.join(hw.backends) or 'none'}  (NCCL {hw.nccl_version or '-'})")
     if "gloo" not in hw.backends:
-        findings.append(
-            Finding(
-                "problem",
-                "backends",
-                "torch.distributed has no gloo backend",
-                "reinstall torch from the official wheels (pip install -r requirements.txt)",
-            )
-        )
-    findings += [
-        _cpu_cores(hw),
-        Finding("info", "CUDA_VISIBLE_DEVICES", repr(hw.visible_devices)),
-        Finding("info", "MPS (Apple)", "available" if hw.mps_available else "no"),
-        *_gpu_lines(hw),
-    ]
-    listing = nvidia_smi(
-        "--query-gpu=index,name,driver_version,memory.total", "--format=csv,noheader"
-    )
+        fix = "reinstall torch from the official wheels (pip install -r requirements.txt)"
+        add("problem", "backends", "torch.distributed has no gloo backend", fix)
+    add("info", "CPU cores", f"{hw.cpu_count} ({usable} usable by this process)")
+    add("info", "CUDA_VISIBLE_DEVICES", repr(hw.visible_devices))
+    add("info", "MPS (Apple)", "available" if hw.mps_available else "no")
+    if not hw.gpus:
+        add("info", "GPUs", "none visible to torch")
+    for g in hw.gpus:
+        facts = f"{g.total_memory_gib} GiB, compute capability {g.capability[0]}.{g.capability[1]}"
+        add("info", f"cuda:{g.index}", f"{g.name}, {facts}, {g.multi_processor_count} SMs")
+    if len(hw.gpus) > 1:
+        pairs = itertools.permutations(range(len(hw.gpus)), 2)
+        peer = [f"{i}->{j}:{'yes' if hw.peer_access[i][j] else 'no'}" for i, j in pairs]
+        add("info", "peer access", "  ".join(peer))
+    query = ("--query-gpu=index,name,driver_version,memory.total", "--format=csv,noheader")
+    listing = nvidia_smi(*query)
     if listing:
-        findings.append(Finding("info", "nvidia-smi", listing.strip()))
+        add("info", "nvidia-smi", listing.strip())
         topology = nvidia_smi("topo", "-m")
         if topology and len(hw.gpus) > 1:
-            findings.append(Finding("info", "topology", topology.rstrip()))
+            add("info", "topology", topology.rstrip())
     smi_installed = listing is not None or shutil.which("nvidia-smi") is not None
     findings.append(_driver(hw, smi_installed, listing, nvidia_smi() or ""))
     if hw.cuda_error:
-        findings.append(
-            Finding(
-                "problem",
-                "cuda",
-                f"CUDA is present but unusable ({hw.cuda_error})",
-                "check the driver (nvidia-smi) and that no other process holds the GPUs in "
-                "exclusive mode",
-            )
+        fix = (
+            "check the driver (nvidia-smi) and that no other process holds the GPUs in "
+            "exclusive mode"
         )
+        add("problem", "cuda", f"CUDA is present but unusable ({hw.cuda_error})", fix)
     if listing:
         findings += _hidden_gpus(hw, nvidia_smi("-L"))
-        findings += _gpu_memory(
-            nvidia_smi(
-                "--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"
-            )
-        )
-    findings.append(_disk(min_free_disk_gib))
-    try:
-        import ipykernel  # noqa: F401
-    except ImportError:
-        findings.append(
-            Finding(
-                "warning",
-                "ipykernel",
-                "ipykernel is missing: notebooks cannot run",
-                "pip install -r requirements.txt",
-            )
-        )
+        query = ("--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits")
+        findings += _gpu_memory(nvidia_smi(*query))
+    root = course_root()
+    free = shutil.disk_usage(root).free / 2**30
+    message = f"{free:.1f} GiB free where the course is ({root})"
+    if free < min_free_disk_gib:
+        fix = f"free some space: data sets and checkpoints want at least {min_free_disk_gib:g} GiB"
+        add("warning", "disk", message, fix)
+    else:
+        add("ok", "disk", message)
+    if importlib.util.find_spec("ipykernel") is None:
+        fix = "pip install -r requirements.txt"
+        add("warning", "ipykernel", "ipykernel is missing: notebooks cannot run", fix)
     # Where the multi-device lessons' ranks would run: one per GPU, at least two (lesson 00).
     placement = place(max(2, len(hw.gpus)), share_gpus=True, n_gpus=len(hw.gpus))
-    findings.append(Finding("info", "placement", "\n".join([placement.banner(), *placement.notes])))
+    add("info", "placement", "\n".join([placement.banner(), *placement.notes]))
     return tuple(findings)
