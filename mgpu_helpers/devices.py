@@ -78,47 +78,28 @@ def available_backends() -> tuple[str, ...]:
     """The torch.distributed backends this torch was built with (lesson 00)."""
     if not dist.is_available():
         return ()
-    found = []
-    if dist.is_gloo_available():
-        found.append("gloo")
-    if dist.is_nccl_available():
-        found.append("nccl")
-    if getattr(dist, "is_mpi_available", lambda: False)():
-        found.append("mpi")
-    return tuple(found)
+    return tuple(n for n in ("gloo", "nccl", "mpi") if getattr(dist, f"is_{n}_available")())
 
 
 def _probe_cuda() -> dict:
     """Read the CUDA facts that need a context; meant to run in a throwaway process."""
     n = torch.cuda.device_count()
-    gpus = []
-    for i in range(n):
-        p = torch.cuda.get_device_properties(i)
-        gpus.append(
-            {
-                "index": i,
-                "name": p.name,
-                "total_memory_gib": round(p.total_memory / 2**30, 2),
-                "capability": [p.major, p.minor],
-                "multi_processor_count": p.multi_processor_count,
-            }
+    props = [torch.cuda.get_device_properties(i) for i in range(n)]
+    gpus = [
+        GpuInfo(
+            i, p.name, round(p.total_memory / 2**30, 2), (p.major, p.minor), p.multi_processor_count
         )
+        for i, p in enumerate(props)
+    ]
     peer = [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(n)] for i in range(n)]
-    nccl = None
-    if dist.is_available() and dist.is_nccl_available():
-        v = torch.cuda.nccl.version()
-        nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-    return {"gpus": gpus, "peer": peer, "nccl": nccl}
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if "nccl" in available_backends() else None
+    return {"gpus": [asdict(g) for g in gpus], "peer": peer, "nccl": nccl}
 
 
 def _json_from_child(code: str, *args: str, timeout: float = 120.0) -> object:
     """Run ``code`` in a fresh Python, which prints JSON last; this process keeps no CUDA."""
     out = subprocess.run(
-        [sys.executable, "-c", code, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout
     )
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["no output"])[-1]
@@ -145,25 +126,15 @@ def describe_hardware() -> Hardware:
             probe = _probe_cuda() if torch.cuda.is_initialized() else _probe_cuda_elsewhere()
         except Exception as exc:  # reported by `mgpu doctor`, never fatal here
             error = str(exc)
-    mps = bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
     return Hardware(
         python=platform.python_version(),
         torch=torch.__version__,
         cuda_build=torch.version.cuda,
         cuda_available=n > 0 and error is None,
-        gpus=tuple(
-            GpuInfo(
-                index=g["index"],
-                name=g["name"],
-                total_memory_gib=g["total_memory_gib"],
-                capability=tuple(g["capability"]),
-                multi_processor_count=g["multi_processor_count"],
-            )
-            for g in probe["gpus"]
-        ),
+        gpus=tuple(GpuInfo(**{**g, "capability": tuple(g["capability"])}) for g in probe["gpus"]),
         peer_access=tuple(tuple(row) for row in probe["peer"]),
         nccl_version=probe["nccl"],
-        mps_available=mps,
+        mps_available=torch.backends.mps.is_available(),
         backends=available_backends(),
         cpu_count=os.cpu_count() or 1,
         visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -173,13 +144,10 @@ def describe_hardware() -> Hardware:
 
 def nvidia_smi(*args: str, timeout: float = 30.0) -> str | None:
     """Output of ``nvidia-smi`` with ``args``, or None when the tool is missing or fails."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
+    if (exe := shutil.which("nvidia-smi")) is None:
         return None
     try:
-        out = subprocess.run(
-            [exe, *args], capture_output=True, text=True, timeout=timeout, check=False
-        )
+        out = subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout if out.returncode == 0 else None
@@ -256,7 +224,7 @@ def sanity_check_devices(
     )
     try:
         rows = _json_from_child(code, str(size), *distinct, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired, RuntimeError, ValueError, IndexError) as exc:
+    except Exception as exc:  # a child that fails, hangs or prints no JSON: report, not raise
         first = (str(exc).strip().splitlines() or [""])[0]
         return tuple(DeviceCheck(d, False, None, None, first) for d in distinct)
     return tuple(DeviceCheck(**row) for row in rows)
@@ -265,10 +233,9 @@ def sanity_check_devices(
 def full_float32() -> None:
     """Switch off TF32 in this process, for GPU results compared with the CPU (lessons 03-05).
 
-    On recent GPUs cuDNN runs float32 convolutions in TF32 by default (10-bit mantissa inputs),
-    which is fine for training but too coarse for checks against a float32 CPU reference.
-    Calling this from a worker, rather than setting the flag in the worker's own code, also keeps
-    the worker picklable by value (``torch.backends.cudnn`` itself cannot be pickled).
+    cuDNN runs float32 convolutions in TF32 by default (10-bit mantissas): too coarse for checks
+    against the CPU. A function, so a worker calling it stays picklable by value (the
+    ``torch.backends.cudnn`` module is not).
     """
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
