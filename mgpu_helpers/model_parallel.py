@@ -1,22 +1,13 @@
 """Measuring and planning model parallelism (lesson 05; the benchmark and lesson 09 reuse it).
 
-Lesson 05 writes the split model and the GPipe step in its own cells; this module keeps the
-tools around them that several users need:
-
-- running the stages: :func:`run_stages` starts one thread per stage and brings a stage's
-  error back to the caller;
-- a pipeline's timeline: :class:`Timeline` marks when each stage's work starts and ends (CUDA
-  events on GPUs, the wall clock on the CPU) and gives :class:`Event` records, which
-  :func:`idle_fraction`, :func:`forward_overlap` and ``plots.plot_timeline`` read;
-  :func:`bubble_fraction` is the ideal idle share;
-- where to cut: :func:`layer_costs` (parameters or measured time per layer) and
-  :func:`balance` (the cut points that make the most expensive stage as cheap as possible);
-- memory: :func:`memory_by_device` and :func:`memory_by_stage` count parameters, gradients,
-  optimizer state and the activations autograd saves (:func:`saved_activation_bytes`).
+Lesson 05 writes the split model and the GPipe step in its cells; this module keeps what is
+around them: a thread per stage, timelines and idle shares, where to cut, memory per device.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import queue
 import threading
 import time
@@ -53,9 +44,7 @@ def layer_costs(
         raise ValueError(f"by={by!r} is unknown; choose 'params' or 'time'")
     if sample is None:
         raise ValueError("by='time' needs a sample input batch to time the layers on")
-    costs = []
-    x = sample
-    device = sample.device
+    costs, x = [], sample
     for layer in model:
         inp = x.detach().requires_grad_(x.is_floating_point())
 
@@ -64,7 +53,7 @@ def layer_costs(
             if out.requires_grad:
                 out.sum().backward()
 
-        costs.append(measure(run, device, warmup=1, repeats=repeats).median)
+        costs.append(measure(run, sample.device, warmup=1, repeats=repeats).median)
         with torch.no_grad():
             x = layer(x)
     model.zero_grad(set_to_none=True)
@@ -76,39 +65,36 @@ def balance(costs: Sequence[float], n_stages: int) -> list[int]:
     n = len(costs)
     if not 1 <= n_stages <= n:
         raise ValueError(f"n_stages must be between 1 and the {n} layers, got {n_stages}")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[k][i]: smallest possible maximum stage cost for the first i layers in k stages
-    best = [[inf] * (n + 1) for _ in range(n_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, n_stages + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    points, i = [], n
-    for k in range(n_stages, 1, -1):
-        i = cut[k][i]
-        points.append(i)
-    return sorted(points)
+    prefix = [0.0, *itertools.accumulate(costs)]  # prefix[i]: cost of the first i layers
+
+    @functools.cache
+    def best(k: int, i: int) -> tuple[float, tuple[int, ...]]:
+        """The smallest maximum stage cost of the first i layers in k stages, and its cuts."""
+        if k == 1:
+            return prefix[i], ()
+        options = [  # the last stage is layers j..i-1; min keeps the first (smallest j) tie
+            (max(best(k - 1, j)[0], prefix[i] - prefix[j]), (*best(k - 1, j)[1], j))
+            for j in range(k - 1, i)
+        ]
+        return min(options, key=lambda option: option[0])
+
+    return list(best(n_stages, n)[1])
 
 
 _KINDS = ("parameters", "gradients", "optimizer", "activations")
 
 
-def _state_bytes(module: nn.Module, optimizer_slots: int) -> dict[str, dict[str, int]]:
-    """Parameters, gradients and optimizer state of ``module``, in bytes, per device."""
+def _memory(module: nn.Module, slots: int, saved: dict[str, int]) -> dict[str, dict[str, int]]:
+    """Bytes of each kind per device: the model's state from tensor sizes, plus ``saved``."""
     report: dict[str, dict[str, int]] = {}
     for p in module.parameters():
         size = p.numel() * p.element_size()
         row = report.setdefault(str(p.device), dict.fromkeys(_KINDS, 0))
         row["parameters"] += size
-        row["gradients"] += size
-        row["optimizer"] += optimizer_slots * size
+        row["gradients"] += size  # a gradient is as large as its parameter
+        row["optimizer"] += slots * size  # optimizer state tensors per parameter
+    for device, size in saved.items():  # activations
+        report.setdefault(device, dict.fromkeys(_KINDS, 0))["activations"] += size
     return report
 
 
@@ -117,19 +103,12 @@ def memory_by_device(
 ) -> dict[str, dict[str, int]]:
     """Bytes of parameters, gradients, optimizer state and activations on each device (lesson 05).
 
-    Model state comes from tensor sizes: gradients are as large as the parameters and
-    ``optimizer_slots`` is the number of state tensors per parameter (1 for SGD with momentum,
-    2 for Adam). Activations are what autograd really keeps for backward during one training
-    forward of ``sample`` (:func:`saved_activation_bytes`): parameters, buffers and the sample
-    itself (already on the device before the step) are not counted, nor the model's output
-    and the loss (a few batch x classes tensors). It runs on any device, CPU included. For a
-    model cut into stages, :func:`memory_by_stage` gives one row per stage.
+    ``optimizer_slots``: state tensors per parameter (1 for SGD with momentum, 2 for Adam).
+    Activations are what autograd saves for backward in one forward of ``sample``
+    (:func:`saved_activation_bytes`), so the output and the loss are not counted.
     """
-    report = _state_bytes(model, optimizer_slots)
-    if sample is not None:
-        for device, size in saved_activation_bytes(model, sample).items():
-            report.setdefault(device, dict.fromkeys(_KINDS, 0))["activations"] += size
-    return report
+    activations = {} if sample is None else saved_activation_bytes(model, sample)
+    return _memory(model, optimizer_slots, activations)
 
 
 def memory_by_stage(
@@ -140,36 +119,24 @@ def memory_by_stage(
 ) -> list[dict[str, int]]:
     """One :func:`memory_by_device` row per stage of a split model (lesson 05, section 2.1).
 
-    The stages run in turn, stage i's input moved to ``devices[i]``, and each is counted as if
-    it had a device of its own, so stages that share a device (virtual devices) are told apart:
-    a stage that starts with a layer saving its input (a Linear) counts its own copy of the
-    activation that crossed the cut.
+    Each stage counts as if it had a device of its own, so stages sharing a device are told
+    apart, and a stage whose first layer saves its input counts the copy that crossed the cut.
     """
     if len(stages) != len(devices) or not stages:
         raise ValueError(f"need one device per stage, got {len(stages)} and {len(devices)}")
-    if sample is None:
-        saved = [{} for _ in stages]
-    else:
-        saved = _saved_by_stage(stages, [torch.device(d) for d in devices], sample)
-    rows = []
-    for stage, activations in zip(stages, saved, strict=True):
-        state = _state_bytes(stage, optimizer_slots).values()
-        row = {key: sum(r[key] for r in state) for key in _KINDS}
-        row["activations"] = sum(activations.values())
-        rows.append(row)
-    return rows
+    saved = [{}] * len(stages) if sample is None else _saved_by_stage(stages, devices, sample)
+    per_device = [_memory(m, optimizer_slots, a) for m, a in zip(stages, saved, strict=True)]
+    return [{key: sum(row[key] for row in m.values()) for key in _KINDS} for m in per_device]
 
 
 def saved_activation_bytes(model: nn.Module, sample: Tensor) -> dict[str, int]:
     """Bytes of the tensors autograd saves for backward in a forward of ``sample``, per device.
 
-    Lesson 05, section 2. Recorded with ``torch.autograd.graph.saved_tensors_hooks`` during one
-    forward with gradients on; each storage is counted once (a ReLU's output that the next
-    Linear saves too, a Flatten that is a view of its input), and the storages of parameters,
-    buffers and ``sample`` are left out. The model's buffers (BatchNorm's running statistics)
-    are restored afterwards, so the call leaves the model as it was.
+    Lesson 05, section 2. Each storage counts once (a ReLU's output that the next Linear saves
+    too, a view), parameters, buffers and ``sample`` not at all; BatchNorm's running statistics
+    are restored afterwards.
     """
-    return _saved_by_stage([model], [None], sample)[0]
+    return _saved_by_stage([model], [sample.device], sample)[0]
 
 
 def _storage(t: Tensor) -> tuple[str, int, int]:
@@ -182,14 +149,11 @@ def _storage(t: Tensor) -> tuple[str, int, int]:
 
 
 def _saved_by_stage(
-    stages: Sequence[nn.Module], devices: Sequence[torch.device | None], sample: Tensor
+    stages: Sequence[nn.Module], devices: Sequence[torch.device | str], sample: Tensor
 ) -> list[dict[str, int]]:
-    """For each stage run in turn (its input moved to ``devices[i]`` unless None), the bytes
-    per device that its forward makes autograd save: deduplicated within a stage, never
-    counting a parameter, a buffer or the sample."""
-    state = [t for stage in stages for t in (*stage.parameters(), *stage.buffers())]
-    x = sample if devices[0] is None else sample.to(devices[0])
-    excluded = {_storage(t)[:2] for t in (*state, x)}
+    """Bytes saved per device by each stage, run in turn on its input moved to ``devices[i]``."""
+    x = sample.to(devices[0])
+    excluded = {_storage(t)[:2] for m in stages for t in (*m.parameters(), *m.buffers(), x)}
     buffers = [(b, b.detach().clone()) for stage in stages for b in stage.buffers()]
     per_stage: list[dict[str, int]] = []
     seen: set[tuple[str, int]] = set()
@@ -206,7 +170,7 @@ def _saved_by_stage(
             for stage, device in zip(stages, devices, strict=True):
                 per_stage.append({})
                 seen.clear()  # a stage's input counts again: on its own device it is a copy
-                x = stage(x if device is None else x.to(device))
+                x = stage(x.to(device))
     finally:
         with torch.no_grad():
             for b, saved in buffers:  # BatchNorm's running statistics, as they were
@@ -226,17 +190,11 @@ class Event:
 
 
 class Timeline:
-    """When each stage's work started and ended in one step: CUDA events on GPUs, the wall
-    clock on the CPU (lesson 05's ``gpipe_step`` and ``benchmarks/pipeline.py`` record it).
+    """When each stage's work started and ended in one step (lesson 05's ``gpipe_step``).
 
-    ``mark(device)`` takes a time stamp from the calling thread's current stream on a GPU;
-    ``add(stage, micro, kind, device, begin)`` records a piece of work from ``begin`` until
-    now; :meth:`events` turns the marks into seconds, once the devices are synchronised. Each
-    GPU's times count from an origin event recorded on that GPU. The origins are recorded one
-    after the other (after synchronising every device), so two GPUs' clocks are offset by the
-    few microseconds between those records: comparisons across GPUs (:func:`forward_overlap`,
-    a timeline's span) are good to about that much, and a test of overlap between two GPUs
-    must ask for a margin (0.1 ms, say), not just a positive number.
+    CUDA events on GPUs, the wall clock on the CPU. Each GPU counts from an origin event of its
+    own, recorded one after the other, so times compared across GPUs (:func:`forward_overlap`)
+    are off by a few microseconds: a test of overlap must ask for a margin (0.1 ms, say).
     """
 
     def __init__(self, devices: Sequence[torch.device]) -> None:
@@ -281,14 +239,12 @@ def run_stages(
 ) -> None:
     """Run ``run_stage(s)`` for each stage in a thread of its own and wait for all (lesson 05).
 
-    The threads are what lets stages work at the same time; what they do is the caller's. If
-    a stage raises, every queue in ``queues`` gets a ``None``: the stages waiting there for
-    their next input fail to unpack it and stop instead of waiting for ever, and the first
-    error is raised again here, in the caller's thread.
+    If a stage raises, every queue in ``queues`` gets a ``None``, so that stages waiting there
+    fail to unpack it instead of waiting for ever, and the first error is raised here.
     """
     errors: list[BaseException] = []
 
-    def run_or_stop(s: int) -> None:
+    def run(s: int) -> None:
         try:
             run_stage(s)
         except BaseException as exc:  # raised again below
@@ -296,9 +252,7 @@ def run_stages(
             for q in queues:
                 q.put(None)
 
-    threads = [
-        threading.Thread(target=run_or_stop, args=(s,), daemon=True) for s in range(n_stages)
-    ]
+    threads = [threading.Thread(target=run, args=(s,), daemon=True) for s in range(n_stages)]
     for t in threads:
         t.start()
     for t in threads:
@@ -310,11 +264,8 @@ def run_stages(
 def forward_overlap(events: Sequence[Event], stage: int = 0) -> float:
     """Seconds by which stage ``stage + 1``'s first forward starts before ``stage``'s last ends.
 
-    Lesson 05: positive when the two stages ran forwards of different micro-batches at the same
-    time (a pipeline), zero or negative when the next stage started only once this one had
-    finished every forward (the naive split, or a pipeline that serialised). Between two GPUs
-    the value carries the offset of their clocks (a few microseconds, see :class:`Timeline`),
-    so only a clear margin says that the stages overlapped.
+    Lesson 05: positive when the stages ran forwards at the same time (a pipeline); between
+    GPUs only a clear margin counts (see :class:`Timeline`).
     """
     mine = [e for e in events if e.stage == stage and e.kind == "F"]
     nexts = [e for e in events if e.stage == stage + 1 and e.kind == "F"]
@@ -334,7 +285,6 @@ def idle_fraction(events: Sequence[Event]) -> float:
     """Measured idle share: 1 - busy time / (stages x time from first start to last end)."""
     if not events:
         raise ValueError("no events to measure")
-    stages = {e.stage for e in events}
     span = max(e.end for e in events) - min(e.start for e in events)
     busy = sum(e.end - e.start for e in events)
-    return 1.0 - busy / (len(stages) * span) if span > 0 else 0.0
+    return 1.0 - busy / (len({e.stage for e in events}) * span) if span > 0 else 0.0
