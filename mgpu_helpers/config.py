@@ -1,12 +1,9 @@
 """Lesson parameters in one validated dataclass (every lesson's first cells).
 
-Each notebook's first code cell, tagged ``parameters``, holds plain values; the next cell builds a
-:class:`LessonConfig` from them, ``cfg = apply_quick(LessonConfig(...))``. The config is a plain
-frozen value: change it with ``dataclasses.replace``. Quick mode (``MGPU_QUICK=1``, read by
-:func:`apply_quick`) caps data and epochs so the whole course runs in minutes on a laptop; the
-tests always use it. The data folder
-is found from the course's top folder, not from where a kernel happens to run
-(:func:`resolve_data_dir`).
+The ``parameters`` cell holds plain values; the next builds the config from them:
+``cfg = apply_quick(LessonConfig(...))``. Change it with ``dataclasses.replace``. Quick mode
+(``MGPU_QUICK=1``) caps data and epochs so the course runs in minutes on a laptop (the tests use
+it). Data is found from the course's top folder, not from where a kernel runs.
 """
 
 from __future__ import annotations
@@ -54,10 +51,6 @@ def grading_from_env() -> bool:
     return _flag_from_env("MGPU_GRADING")
 
 
-def _is_course_root(folder: Path) -> bool:
-    return (folder / "notebooks").is_dir() and (folder / "mgpu_helpers").is_dir()
-
-
 def course_root() -> Path:
     """The course's top folder, the one that holds ``notebooks/`` and ``mgpu_helpers/``.
 
@@ -65,10 +58,9 @@ def course_root() -> Path:
     ``environment.yml`` install it in editable mode), else the first folder holding both, from
     the working directory upwards; the working directory when neither finds one.
     """
-    package_parent = Path(__file__).resolve().parents[1]
     cwd = Path.cwd().resolve()
-    for folder in (package_parent, cwd, *cwd.parents):
-        if _is_course_root(folder):
+    for folder in (Path(__file__).resolve().parents[1], cwd, *cwd.parents):
+        if (folder / "notebooks").is_dir() and (folder / "mgpu_helpers").is_dir():
             return folder
     return cwd
 
@@ -112,45 +104,41 @@ class LessonConfig:
     augment: bool = True
 
     def __post_init__(self) -> None:
-        if self.dataset not in DATASETS:
-            raise ValueError(
-                f"dataset={self.dataset!r} is unknown; choose one of {', '.join(DATASETS)}"
-            )
-        if self.model not in MODELS:
-            raise ValueError(f"model={self.model!r} is unknown; choose one of {', '.join(MODELS)}")
-        _positive_int("batch_size", self.batch_size)
-        _positive_int("epochs", self.epochs)
-        _positive_int("world_size", self.world_size)
-        for name in ("train_samples", "test_samples"):
+        for name, choices in (("dataset", DATASETS), ("model", MODELS)):
+            if getattr(self, name) not in choices:
+                value = getattr(self, name)
+                raise ValueError(f"{name}={value!r} is unknown; choose one of {', '.join(choices)}")
+        for name in ("batch_size", "epochs", "world_size", "train_samples", "test_samples"):
             value = getattr(self, name)
-            if value is not None:
-                _positive_int(name, value)
+            if value is None and name.endswith("_samples"):
+                continue  # no cap: all samples
+            if not (_is_number(value) and isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
         if not (_is_number(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a number > 0, got {self.lr!r}")
         if not (_is_number(self.momentum) and 0 <= self.momentum < 1):
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+        if not (_is_number(self.seed) and isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if not isinstance(self.augment, bool):
-            raise ValueError(f"augment must be True or False, got {self.augment!r}")
+        for name in ("augment", "quick"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.data_dir is not None and not (
             isinstance(self.data_dir, (str, os.PathLike)) and str(self.data_dir)
         ):
             raise ValueError(f"data_dir must be a folder (a path) or None, got {self.data_dir!r}")
-        if not isinstance(self.quick, bool):
-            raise ValueError(f"quick must be True or False, got {self.quick!r}")
-        if self.quick:  # quick=True promises the caps: say how to get them instead of guessing
-            over = [
-                f"{name}={getattr(self, name)}"
-                for name, cap in QUICK_LIMITS.items()
-                if getattr(self, name) is None or getattr(self, name) > cap
-            ]
-            if over:
-                raise ValueError(
-                    f"quick=True marks a config that quick mode capped, but {', '.join(over)} "
-                    f"exceed QUICK_LIMITS {QUICK_LIMITS}; build it with "
-                    "apply_quick(LessonConfig(...), True) instead of passing quick=True"
-                )
+        # quick=True promises the caps: say how to get them rather than cap silently.
+        over = [
+            f"{name}={getattr(self, name)}"
+            for name, cap in QUICK_LIMITS.items()
+            if self.quick and (getattr(self, name) is None or getattr(self, name) > cap)
+        ]
+        if over:
+            raise ValueError(
+                f"quick=True marks a config that quick mode capped, but {', '.join(over)} "
+                f"exceed QUICK_LIMITS {QUICK_LIMITS}; build it with "
+                "apply_quick(LessonConfig(...), True) instead of passing quick=True"
+            )
 
     def describe(self) -> str:
         """One readable line per field, with a note when quick mode shrank the run."""
@@ -163,15 +151,11 @@ class LessonConfig:
 
 
 def apply_quick(cfg: LessonConfig, quick: bool | None = None) -> LessonConfig:
-    """The config quick mode runs: epochs and sample counts capped by ``QUICK_LIMITS``.
+    """``cfg`` with epochs and sample counts capped by ``QUICK_LIMITS`` (every lesson's 2nd cell).
 
-    ``quick=None`` reads ``MGPU_QUICK`` (how ``make course QUICK=1`` and the tests ask). When
-    quick mode is off, ``cfg`` comes back unchanged; when on, a new config with ``quick=True``
-    and every capped size at most its limit (smaller values are kept). Every lesson's second
-    cell: ``cfg = apply_quick(LessonConfig(dataset=DATASET, ...))``.
+    ``quick=None`` reads ``MGPU_QUICK``. Off: ``cfg`` itself; on: a copy with ``quick=True``.
     """
-    if quick is None:
-        quick = quick_from_env()
+    quick = quick_from_env() if quick is None else quick
     if not isinstance(quick, bool):
         raise ValueError(f"quick must be True, False or None (read MGPU_QUICK), got {quick!r}")
     if not quick:
@@ -181,11 +165,6 @@ def apply_quick(cfg: LessonConfig, quick: bool | None = None) -> LessonConfig:
         for name, limit in QUICK_LIMITS.items()
     }
     return replace(cfg, quick=True, **caps)
-
-
-def _positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
 
 
 def _is_number(value: object) -> bool:
