@@ -1,20 +1,17 @@
 """The training loop several lessons reuse (02 to 05).
 
-Lesson 02 writes its single-device loop in its own cells and checks that :func:`fit` trains
-exactly like it (same weights, same metrics); lesson 04's DDP worker is a diff of that loop.
-Plain functions: :func:`train_epoch`, :func:`evaluate` and :func:`fit`. They never move the
-model: put it on its device(s) yourself (one device, ``nn.DataParallel``, DDP or a model split
-across devices all work). Inputs go to ``device``; targets go to wherever the outputs come out,
-which is the last device of a split model. Each step's loss and outputs stay on the device and
-are reduced once per epoch, so the loop adds no synchronisation and no extra kernel per step.
+Lesson 02 checks :func:`fit` against its own loop. The model is never moved (one device,
+DataParallel, DDP or a split model all work): inputs go to ``device``, targets to where the
+outputs come out. Metrics stay on the device until the epoch ends: no synchronisation per step.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
+from operator import length_hint
 
 import numpy as np
 import torch
@@ -49,7 +46,7 @@ def pick_device() -> torch.device:
     """The best single device here: ``cuda:0``, else Apple's ``mps``, else ``cpu`` (lesson 01)."""
     if torch.cuda.is_available():
         return torch.device("cuda", 0)
-    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+    if torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
 
@@ -95,56 +92,51 @@ _FOLD_EVERY = 32  # batches whose metrics are kept before they are added up on t
 
 
 class _Metrics:
-    """Loss and accuracy sums of one pass, added up on the device every few batches.
+    """Loss and accuracy sums of one pass, added up on the device every ``_FOLD_EVERY`` batches.
 
-    Summing every step costs several extra kernel launches per step, which slows a small model
-    on a GPU by 10% or more; keeping every batch's outputs until the end would hold a whole
-    epoch in device memory. Folding every ``_FOLD_EVERY`` batches does neither.
+    Summing every step costs kernel launches (10% or more for a small model on a GPU); keeping
+    every batch's outputs to the end would hold a whole epoch in device memory.
     """
 
     def __init__(self) -> None:
-        self.losses: list[Tensor] = []  # each kept batch's mean loss
-        self.outputs: list[Tensor] = []
-        self.targets: list[Tensor] = []
-        self.loss_sum: Tensor | None = None
-        self.correct: Tensor | None = None
+        self.kept: list[tuple[Tensor, Tensor, Tensor]] = []  # (mean loss, outputs, targets)
+        self.loss_sum: Tensor | float = 0.0
+        self.correct: Tensor | int = 0
         self.samples = 0
 
     def add(self, loss: Tensor, outputs: Tensor, targets: Tensor) -> None:
-        self.losses.append(loss.detach())
-        self.outputs.append(outputs.detach())
-        self.targets.append(targets)
-        if len(self.losses) >= _FOLD_EVERY:
+        self.kept.append((loss.detach(), outputs.detach(), targets))
+        if len(self.kept) >= _FOLD_EVERY:
             self.fold()
 
     def fold(self) -> None:
-        if not self.losses:
+        if not self.kept:
             return
-        sizes = [t.shape[0] for t in self.targets]
+        losses, outputs, targets = zip(*self.kept, strict=True)
+        sizes = [t.shape[0] for t in targets]
         if len(set(sizes)) == 1:
-            loss_sum = torch.stack(self.losses).sum() * sizes[0]
+            self.loss_sum += torch.stack(losses).sum() * sizes[0]
         else:  # a smaller last batch
-            loss_sum = torch.stack([loss * n for loss, n in zip(self.losses, sizes, strict=True)])
-            loss_sum = loss_sum.sum()
-        correct = (torch.cat(self.outputs).argmax(dim=1) == torch.cat(self.targets)).sum()
-        self.loss_sum = loss_sum if self.loss_sum is None else self.loss_sum + loss_sum
-        self.correct = correct if self.correct is None else self.correct + correct
+            self.loss_sum += torch.stack([x * n for x, n in zip(losses, sizes, strict=True)]).sum()
+        self.correct += (torch.cat(outputs).argmax(dim=1) == torch.cat(targets)).sum()
         self.samples += sum(sizes)
-        self.losses, self.outputs, self.targets = [], [], []
+        self.kept = []
 
 
 def _run(
     model: nn.Module,
-    batches: Iterable,
-    device: torch.device,
+    loader: Iterable,
+    device: torch.device | str,
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None,
+    bar: tqdm | None = None,
 ) -> EpochResult:
-    """One pass; trains when an optimizer is given. Metrics stay on the output device."""
+    """One pass: trains when an optimizer is given, counts the batches on ``bar``."""
+    model.train(optimizer is not None)
     metrics = _Metrics()
     synchronize(device)
     start = time.perf_counter()
-    for inputs, targets in batches:
+    for inputs, targets in loader:
         outputs = model(inputs.to(device, non_blocking=True))
         targets = targets.to(outputs.device, non_blocking=True)
         loss = loss_fn(outputs, targets)
@@ -153,13 +145,22 @@ def _run(
             loss.backward()
             optimizer.step()
         metrics.add(loss, outputs, targets)
+        if bar is not None:
+            bar.update()
     metrics.fold()
-    if metrics.loss_sum is None or metrics.correct is None:
+    if not metrics.samples:
         raise ValueError("the loader yielded no batches; is the data set empty?")
-    synchronize(metrics.correct.device)
+    synchronize(metrics.correct.device)  # type: ignore[union-attr]
     seconds = time.perf_counter() - start
     n = metrics.samples
-    return EpochResult(metrics.loss_sum.item() / n, metrics.correct.item() / n, n, seconds)
+    return EpochResult(float(metrics.loss_sum) / n, int(metrics.correct) / n, n, seconds)
+
+
+def _batch_bar(loader: Iterable, desc: str, progress: bool) -> tqdm:
+    # Not wrapping the loader: tqdm.auto calls iter() on what it wraps (tqdm issues #1598, #1467),
+    # which would start the DataLoader twice per epoch: another shuffle, a second set of workers.
+    total = length_hint(loader) or None  # None: streamed data (an IterableDataset) has no len
+    return progress_bar(total=total, desc=desc, leave=False, disable=not progress, unit="batch")
 
 
 def train_epoch(
@@ -174,45 +175,7 @@ def train_epoch(
 ) -> EpochResult:
     """One pass over ``loader`` that updates ``model``; returns mean loss, accuracy, speed."""
     with _batch_bar(loader, desc, progress) as bar:
-        return _train_pass(model, loader, optimizer, device, loss_fn, bar)
-
-
-def _train_pass(
-    model: nn.Module,
-    loader: Iterable,
-    optimizer: torch.optim.Optimizer,
-    device: torch.device | str,
-    loss_fn: LossFn,
-    bar: tqdm,
-) -> EpochResult:
-    """One training pass over ``loader``, counting its batches on ``bar``."""
-    model.train()
-    return _run(model, _counted(loader, bar), torch.device(device), loss_fn, optimizer)
-
-
-def _length(loader: Iterable) -> int | None:
-    try:
-        return len(loader)  # type: ignore[arg-type]
-    except TypeError:  # streamed data: a DataLoader over an IterableDataset has no length
-        return None
-
-
-def _batch_bar(loader: Iterable, desc: str, progress: bool) -> tqdm:
-    # The bar only counts batches; it must not wrap the loader: tqdm.auto's bar calls iter() on
-    # what it wraps as soon as it is created (tqdm issue #1598), which would start the
-    # DataLoader twice per epoch: a different shuffle than a plain loop, and, with worker
-    # processes, a second set of workers (tqdm issue #1467).
-    # In a notebook, progress_bar ends as a line of text, which a saved notebook keeps.
-    return progress_bar(
-        total=_length(loader), desc=desc, leave=False, disable=not progress, unit="batch"
-    )
-
-
-def _counted(loader: Iterable, bar: tqdm) -> Iterator:
-    """Yield the batches of ``loader`` and advance ``bar`` after each one."""
-    for batch in loader:
-        yield batch
-        bar.update()
+        return _run(model, loader, device, loss_fn, optimizer, bar)
 
 
 @torch.no_grad()
@@ -224,8 +187,7 @@ def evaluate(
     loss_fn: LossFn = F.cross_entropy,
 ) -> EpochResult:
     """Mean loss and accuracy of ``model`` on ``loader``, without updating it."""
-    model.eval()
-    return _run(model, loader, torch.device(device), loss_fn, None)
+    return _run(model, loader, device, loss_fn, None)
 
 
 def fit(
@@ -242,8 +204,7 @@ def fit(
 ) -> History:
     """Train for ``epochs`` and evaluate after each; returns the :class:`History`.
 
-    ``on_epoch_start(epoch)`` runs before each epoch (lesson 04 passes the sampler's
-    ``set_epoch`` here, so each epoch is shuffled differently).
+    ``on_epoch_start(epoch)`` runs before each epoch (lesson 04 passes its sampler's ``set_epoch``).
     """
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs must be a whole number >= 1, got {epochs!r}")
@@ -256,18 +217,14 @@ def fit(
             if on_epoch_start is not None:
                 on_epoch_start(epoch)
             if epoch > 0:
-                batches.reset(total=_length(train_loader))
+                batches.reset()  # same total: the loader keeps its length
                 batches.set_description(f"epoch {epoch + 1}/{epochs}", refresh=False)
-            train = _train_pass(model, train_loader, optimizer, device, loss_fn, batches)
-            test = (
-                evaluate(model, test_loader, device, loss_fn=loss_fn)
-                if test_loader is not None  # not truthiness: a streamed loader has no len()
-                else None
-            )
+            train = _run(model, train_loader, device, loss_fn, optimizer, batches)
+            test = None
+            if test_loader is not None:  # not truthiness: a streamed loader has no len()
+                test = evaluate(model, test_loader, device, loss_fn=loss_fn)
             history.append(epoch + 1, train, test)
             test_acc = f"{test.accuracy:.3f}" if test else "-"
-            bar.set_postfix_str(  # a string: tqdm would write keyword postfixes as name=value
-                f"loss={train.loss:.3f}, test_acc={test_acc}, "
-                f"{train.samples_per_sec:,.0f} samples/s"
-            )
+            speed = f"{train.samples_per_sec:,.0f} samples/s"  # a keyword would show name=value
+            bar.set_postfix_str(f"loss={train.loss:.3f}, test_acc={test_acc}, {speed}")
     return history
