@@ -1,11 +1,9 @@
 """Lesson notebooks as files: finding them, their parameters cell, and keeping them clean.
 
-Notebooks are committed without outputs, each with a first code cell tagged ``parameters``.
-Each exercise is a solution cell (between ``### BEGIN SOLUTION`` / ``### END SOLUTION``) and,
-as the next code cell, a self-check cell calling ``check(...)``; the two carry nbgrader's cell
-metadata (an answer cell; a graded, locked test cell), so nbgrader can grade the lessons as they
-are. :func:`notebook_problems` says what breaks those rules (the tests use it) and
-:func:`clean_notebook` fixes what can be fixed (``mgpu clean``, before a commit).
+Committed without outputs, with a first code cell tagged ``parameters``; each exercise is a
+solution cell (``### BEGIN SOLUTION``) and next a self-check calling ``check(...)``, with
+nbgrader's metadata so nbgrader grades the lessons as they are. :func:`notebook_problems` says
+what breaks these rules; :func:`clean_notebook` (``mgpu clean``) fixes what it can.
 """
 
 from __future__ import annotations
@@ -13,6 +11,7 @@ from __future__ import annotations
 import ast
 import re
 from collections import Counter
+from itertools import pairwise
 from pathlib import Path
 
 import nbformat
@@ -85,28 +84,20 @@ def is_self_check_cell(cell: nbformat.NotebookNode) -> bool:
         tree = ast.parse(_python_only(cell.source))
     except SyntaxError:  # a learner's half-typed cell: fall back to the text
         return re.search(r"^(_\s*=\s*)?check\(", cell.source, re.MULTILINE) is not None
-    for node in tree.body:
-        value = getattr(node, "value", None)
-        if isinstance(node, (ast.Expr, ast.Assign)) and isinstance(value, ast.Call):
-            func = value.func
-            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
-            if name == "check":
-                return True
-    return False
+    calls = [n.value for n in tree.body if isinstance(n, (ast.Expr, ast.Assign))]
+    funcs = [call.func for call in calls if isinstance(call, ast.Call)]
+    return any(getattr(f, "id", getattr(f, "attr", None)) == "check" for f in funcs)
 
 
 def exercise_check_indices(nb: nbformat.NotebookNode) -> list[int]:
     """Indices of the graded self-checks: the code cell right after each solution cell, when it
     calls ``check(...)`` (a ``check`` elsewhere in a lesson is a plain check, not graded)."""
-    found = []
-    for i, cell in enumerate(nb.cells):
-        if is_solution_cell(cell):
-            after = next(
-                (j for j in range(i + 1, len(nb.cells)) if nb.cells[j].cell_type == "code"), None
-            )
-            if after is not None and is_self_check_cell(nb.cells[after]):
-                found.append(after)
-    return found
+    code = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"]
+    return [
+        after
+        for i, after in pairwise(code)
+        if is_solution_cell(nb.cells[i]) and is_self_check_cell(nb.cells[after])
+    ]
 
 
 def _python_only(source: str) -> str:
@@ -117,24 +108,22 @@ def _python_only(source: str) -> str:
 
 
 def _solution_metadata(grade_id: str) -> dict:
-    return {  # an autograded answer: nbgrader's generate_assignment takes it as is
-        "grade": False,
-        "grade_id": grade_id,
-        "locked": False,
-        "schema_version": 3,
-        "solution": True,
-    }
+    # An autograded answer: nbgrader's generate_assignment takes it as is.
+    meta = {"grade": False, "grade_id": grade_id, "locked": False}
+    return {**meta, "schema_version": 3, "solution": True}
 
 
 def _check_metadata(grade_id: str, points: float) -> dict:
-    return {  # an autograder test: graded, and locked so a learner cannot edit it away
-        "grade": True,
-        "grade_id": grade_id,
-        "locked": True,
-        "points": points,
-        "schema_version": 3,
-        "solution": False,
-    }
+    # An autograder test: graded, and locked so a learner cannot edit it away.
+    meta = {"grade": True, "grade_id": grade_id, "locked": True, "points": points}
+    return {**meta, "schema_version": 3, "solution": False}
+
+
+def _marked(meta: dict | None, expected: dict) -> bool:
+    """nbgrader metadata ``meta`` says what ``expected`` says, under any grade id."""
+    if not meta or not meta.get("grade_id"):
+        return False
+    return all(meta.get(key) == value for key, value in expected.items() if key != "grade_id")
 
 
 def _points(cell: nbformat.NotebookNode) -> float:
@@ -145,14 +134,8 @@ def _points(cell: nbformat.NotebookNode) -> float:
 
 
 def notebook_problems(nb: nbformat.NotebookNode) -> list[str]:
-    """What breaks the commit rules.
-
-    Outputs, execution counts, a missing parameters cell, and exercises that nbgrader would
-    not grade: a solution cell without nbgrader's answer metadata or not collapsed, a solution
-    without a self-check cell right after it, a self-check cell that is not a graded, locked
-    test cell tagged ``raises-exception``, nbgrader metadata on a cell that is neither, and
-    grade ids used twice.
-    """
+    """What breaks the commit rules: outputs, no parameters cell first, exercises nbgrader would
+    not grade (metadata, collapse, tag, a self-check right after each solution, unique ids)."""
     problems = []
     code = [c for c in nb.cells if c.cell_type == "code"]
     for i, cell in enumerate(nb.cells):
@@ -164,24 +147,12 @@ def notebook_problems(nb: nbformat.NotebookNode) -> list[str]:
             problems.append("the cell tagged 'parameters' is not the first code cell")
     except ValueError as exc:
         problems.append(str(exc))
-    problems += _exercise_problems(nb)
-    return problems
-
-
-def _exercise_problems(nb: nbformat.NotebookNode) -> list[str]:
-    problems = []
     fix = "(run `mgpu clean`)"
     graded = set(exercise_check_indices(nb))
     for i, cell in enumerate(nb.cells):
         meta = cell.metadata.get("nbgrader")
         if is_solution_cell(cell):
-            if not (
-                meta
-                and meta.get("solution") is True
-                and meta.get("grade") is False
-                and meta.get("grade_id")
-                and meta.get("schema_version") == 3
-            ):
+            if not _marked(meta, _solution_metadata("")):
                 problems.append(
                     f"cell {i} is a solution cell without nbgrader's answer metadata {fix}"
                 )
@@ -194,16 +165,7 @@ def _exercise_problems(nb: nbformat.NotebookNode) -> list[str]:
                     'cell must call check("exercise N: ...", test, hint=...))'
                 )
         elif i in graded:
-            ok = (
-                meta
-                and meta.get("grade") is True
-                and meta.get("locked") is True
-                and meta.get("solution") is False
-                and meta.get("grade_id")
-                and meta.get("schema_version") == 3
-                and _points(cell) == meta.get("points")
-            )
-            if not ok:
+            if not _marked(meta, _check_metadata("", _points(cell))):
                 problems.append(
                     f"cell {i} is a self-check without nbgrader's graded, locked test metadata "
                     f"{fix}"
@@ -250,13 +212,13 @@ def clean_notebook(path: str | Path) -> bool:
             cell.metadata["nbgrader"] = _solution_metadata(f"{path.stem}-solution-{solutions}")
         elif i in graded:
             checks += 1
-            points = _points(cell)
-            cell.metadata["nbgrader"] = _check_metadata(f"{path.stem}-check-{checks}", points)
+            grade_id = f"{path.stem}-check-{checks}"
+            cell.metadata["nbgrader"] = _check_metadata(grade_id, _points(cell))
             tags = cell.metadata.setdefault("tags", [])
             if SELF_CHECK_TAG not in tags:
                 tags.append(SELF_CHECK_TAG)
-    nb.metadata.pop("jupytext", None)
-    nb.metadata.pop("widgets", None)
+    for key in ("jupytext", "widgets"):
+        nb.metadata.pop(key, None)
     nb.metadata["kernelspec"] = KERNELSPEC
     nb.metadata.setdefault("language_info", {"name": "python"})
     nbformat.validate(nb)
