@@ -1,14 +1,10 @@
 """Timing device work honestly (every speed number in the course, from lesson 02 on).
 
-GPU kernels run asynchronously: a Python timer around a CUDA call measures only the launch.
-:func:`measure` synchronises the device before reading the clock, runs warm-up calls first
-(allocator, cuDNN autotuning, caches) and reports the median of several repeats: the rules
-lesson 01 writes out by hand, and checks this function against.
-
-Comparing two ways of doing the same work (lesson 03's one device against ``nn.DataParallel``)
-needs more care on a busy machine: :func:`measure_alternating` times them in turns, one call of
-each per round, so a slow spell of the machine hits both alike, and :func:`compare` says from
-the rounds whether one was really faster or the difference is within the noise.
+GPU kernels run asynchronously, so :func:`measure` synchronises before reading the clock, warms
+up first and reports the median of several repeats: the rules lesson 01 writes out by hand.
+To compare two ways of doing the same work on a busy machine, :func:`measure_alternating` times
+them in rounds, so a slow spell hits both alike, and :func:`compare` says from the rounds
+whether one was really faster.
 """
 
 from __future__ import annotations
@@ -28,10 +24,7 @@ Devices = torch.device | str | Sequence[torch.device | str]
 
 
 def synchronize(device: Devices) -> None:
-    """Wait until all queued work on ``device`` (or on each of several) has finished.
-
-    A no-op on the CPU, where every operation has finished when it returns.
-    """
+    """Wait until the work queued on ``device`` (or each of several) has finished; CPU: no-op."""
     if isinstance(device, (list, tuple)):
         for d in device:
             synchronize(d)
@@ -96,11 +89,9 @@ def measure_alternating(
 ) -> dict[str, Timing]:
     """Time several functions in rounds: one synchronised call of each per round (lesson 03).
 
-    Timing one function after the other lets a slow spell of the machine (another program, a
-    CPU clocking down) fall on whichever ran then; in rounds it falls on all of them. The order
-    rotates from round to round, so none always runs first. Every function is warmed up
-    ``warmup`` times before any is timed. Returns one :class:`Timing` per name, whose
-    ``times[i]`` come from round ``i``, ready for :func:`compare`.
+    A slow spell of the machine then falls on all of them, not on whichever ran then; the order
+    rotates so that none always runs first. Each :class:`Timing`'s ``times[i]`` come from round
+    ``i``, ready for :func:`compare`.
     """
     if not fns:
         raise ValueError("nothing to time: pass a dict of name -> function")
@@ -108,8 +99,8 @@ def measure_alternating(
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
     names = list(fns)
     for _ in range(warmup):
-        for name in names:
-            fns[name]()
+        for fn in fns.values():
+            fn()
     synchronize(device)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeats):
@@ -147,8 +138,7 @@ class Comparison:
     def p_value(self) -> float:
         """Two-sided sign test: how likely rounds split this unevenly if both were as fast.
 
-        Counts the rounds in which each one was faster; with two equally fast functions each
-        round is a coin toss, so 5 rounds out of 5 going the same way has probability 2/32.
+        Each round is then a coin toss: 5 rounds out of 5 going the same way has probability 2/32.
         """
         faster = sum(r > 1 for r in self.ratios)
         slower = sum(r < 1 for r in self.ratios)
@@ -160,10 +150,7 @@ class Comparison:
 
     @property
     def meaningful(self) -> bool:
-        """True when the rounds agree on which one is faster (sign test, p < 0.1).
-
-        Needs at least 5 rounds: with fewer, even unanimous rounds could be chance.
-        """
+        """True when the rounds agree on which one is faster (sign test, p < 0.1: 5+ rounds)."""
         return self.p_value < 0.1
 
     def describe(self, name: str, other: str) -> str:
@@ -186,11 +173,7 @@ class Comparison:
 
 
 def compare(timing: Timing, other: Timing) -> Comparison:
-    """Round-by-round speed of ``timing`` relative to ``other`` (lesson 03).
-
-    Both must come from one :func:`measure_alternating` call, so round ``i`` of each ran at the
-    same moment.
-    """
+    """Round-by-round speed of ``timing`` against ``other``: one measure_alternating (lesson 03)."""
     if len(timing.times) != len(other.times):
         raise ValueError(
             f"{len(timing.times)} and {len(other.times)} repeats: compare timings from one "
