@@ -1,10 +1,8 @@
 """Data sets and loaders (lesson 02; reused by every later lesson).
 
-``digits`` is the offline default: scikit-learn's bundled 8x8 handwritten digits, real and
-learnable, installed with the requirements. CIFAR-10 and FashionMNIST come through
-torchvision's own classes and download into ``data/`` in the course's top folder (or
-``$MGPU_DATA``: :func:`~mgpu_helpers.config.resolve_data_dir`) when the machine is online.
-``synthetic`` is random images for throughput benchmarks, where only speed matters.
+``digits`` (scikit-learn's bundled 8x8 handwritten digits) needs no download. CIFAR-10 and
+FashionMNIST come through torchvision and download into the course's ``data/`` folder (see
+:func:`~mgpu_helpers.config.resolve_data_dir`). ``synthetic`` is random images for benchmarks.
 """
 
 from __future__ import annotations
@@ -26,8 +24,6 @@ __all__ = [
     "synthetic",
     "torchvision_dataset",
 ]
-
-OFFLINE_DEFAULT = "digits"
 
 
 @dataclass(frozen=True)
@@ -89,16 +85,14 @@ def torchvision_dataset(
 ) -> Dataset:
     """CIFAR-10 or FashionMNIST through torchvision's own classes, stored under ``root``.
 
-    ``root`` is resolved by :func:`~mgpu_helpers.config.resolve_data_dir` (None: the course's
-    data folder). Files already on disk are used as they are; otherwise they are downloaded
-    when ``download`` is true. ``augment`` adds CIFAR-10's random crops and flips to its
-    training images (drawn from the process's random generator). Failure (offline, blocked,
-    corrupt) raises a one-line RuntimeError naming the offline default.
+    ``root`` goes through :func:`~mgpu_helpers.config.resolve_data_dir` (None: the course's
+    data folder); files on disk are used as they are, else downloaded when ``download`` is true.
+    ``augment`` adds random crops and flips to CIFAR-10's training images. A failure raises a
+    one-line RuntimeError that names the offline data set, digits.
     """
     from torchvision import datasets, transforms
 
     root = str(resolve_data_dir(root))
-
     if name == "cifar10":
         cls = datasets.CIFAR10
         norm = transforms.Normalize((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
@@ -122,16 +116,16 @@ def torchvision_dataset(
     except RuntimeError:
         if not download:
             raise RuntimeError(
-                f"{name} is not in {os.path.abspath(root)!r}; allow the download or use "
-                f"dataset={OFFLINE_DEFAULT!r}, which needs none"
+                f"{name} is not in {root!r}; allow the download or use dataset='digits', "
+                "which needs none"
             ) from None
     try:
         return cls(root=root, train=train, download=True, transform=transform)
     except Exception as exc:  # URLError, HTTPError, checksum errors, ...
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise RuntimeError(
-            f"could not download {name} into {os.path.abspath(root)!r} ({reason}); "
-            f"offline? use dataset={OFFLINE_DEFAULT!r}, which ships with scikit-learn"
+            f"could not download {name} into {root!r} ({reason}); "
+            "offline? use dataset='digits', which ships with scikit-learn"
         ) from None
 
 
@@ -147,9 +141,9 @@ def build_datasets(cfg: LessonConfig) -> tuple[Dataset, Dataset, DataInfo]:
         train = synthetic(cfg.train_samples or 4096, shape, info.num_classes, seed=cfg.seed)
         test = synthetic(cfg.test_samples or 1024, shape, info.num_classes, seed=cfg.seed + 1)
     else:
-        root = resolve_data_dir(cfg.data_dir)  # resolved now, not when the config was made
-        train = torchvision_dataset(cfg.dataset, root, train=True, augment=cfg.augment)
-        test = torchvision_dataset(cfg.dataset, root, train=False)
+        # data_dir is resolved now ($MGPU_DATA as it is now), not when the config was made
+        train = torchvision_dataset(cfg.dataset, cfg.data_dir, train=True, augment=cfg.augment)
+        test = torchvision_dataset(cfg.dataset, cfg.data_dir, train=False)
     return _cap(train, cfg.train_samples), _cap(test, cfg.test_samples), INFO[cfg.dataset]
 
 
@@ -159,25 +153,19 @@ def _cap(ds: Dataset, limit: int | None) -> Dataset:
 
 
 def loader_settings(device: torch.device | str, dataset: Dataset) -> dict:
-    """``num_workers`` and ``pin_memory`` that suit this device and data set.
+    """``num_workers`` and ``pin_memory`` that suit this device and data set (lesson 02).
 
-    In-memory tensors need no worker processes (they would only copy the tensors). Data read
-    and decoded from files gets a few workers per GPU, so the GPU does not wait on the CPU.
-    Pinned (page-locked) memory speeds host-to-GPU copies; on the CPU it only costs.
+    In-memory tensors need no workers (they would only copy them); data decoded from files gets
+    a few per GPU. Pinned memory speeds host-to-GPU copies; on the CPU it only costs.
     """
-    dev = torch.device(device)
-    on_gpu = dev.type == "cuda"
+    on_gpu = torch.device(device).type == "cuda"
     in_memory = isinstance(_base(dataset), TensorDataset)
     if in_memory or not on_gpu:
         workers = 0
     else:
         per_gpu = (os.cpu_count() or 1) // max(1, torch.cuda.device_count())
         workers = max(1, min(4, per_gpu - 1))
-    return {
-        "num_workers": workers,
-        "pin_memory": on_gpu,
-        "persistent_workers": workers > 0,
-    }
+    return {"num_workers": workers, "pin_memory": on_gpu, "persistent_workers": workers > 0}
 
 
 def _base(ds: Dataset) -> Dataset:
