@@ -1,19 +1,15 @@
 """Run the lessons headless (`make course`, and the notebook tests).
 
-Each notebook is executed in a real Jupyter kernel with nbclient. Quick mode reaches the kernel
-through the ``MGPU_QUICK`` environment variable; other parameters are injected as a cell right
-after the cell tagged ``parameters`` (as papermill does), in each lesson whose parameters cell
-has them (:func:`plan_parameters`: a name no lesson has is an error before anything runs). The
-runner collects what the lesson recorded with :func:`mgpu_helpers.record.record` and the
-self-check verdicts (:data:`mgpu_helpers.exercises.VERDICT_MIME`), and a failing lesson is
-reported with its error while the others still run; :mod:`.report` writes the report.
+Each notebook runs in a real Jupyter kernel (nbclient). Quick mode reaches it through
+``MGPU_QUICK``; other parameters go in a cell after the ``parameters`` cell, as papermill does.
+The runner collects what lessons ``record`` and their self-check verdicts; a failing lesson
+does not stop the others.
 """
 
 from __future__ import annotations
 
 import ast
 import difflib
-import json
 import keyword
 import time
 from collections.abc import Mapping
@@ -31,13 +27,7 @@ from mgpu_helpers.tooling.notebooks import (
 )
 from mgpu_helpers.util import temporary_environ
 
-__all__ = [
-    "LessonRun",
-    "inject_parameters",
-    "plan_parameters",
-    "run_course",
-    "run_lesson",
-]
+__all__ = ["LessonRun", "inject_parameters", "plan_parameters", "run_course", "run_lesson"]
 
 
 @dataclass
@@ -58,10 +48,9 @@ def inject_parameters(nb: nbformat.NotebookNode, params: Mapping[str, object]) -
     """Insert ``NAME = value`` lines after the parameters cell (papermill's convention)."""
     if not params:
         return
-    for name in params:
+    for name, value in params.items():
         if not name.isidentifier() or keyword.iskeyword(name):  # `class = 1` cannot run
             raise ValueError(f"parameter name {name!r} is not a Python identifier")
-    for name, value in params.items():
         try:  # the cell must run: only values that read back as Python literals
             ok = ast.literal_eval(repr(value)) == value
         except (ValueError, SyntaxError):
@@ -71,12 +60,10 @@ def inject_parameters(nb: nbformat.NotebookNode, params: Mapping[str, object]) -
                 f"parameter {name}={value!r} is not a plain Python literal (number, string, "
                 "bool, None, or a list/tuple/dict of those)"
             )
-    index = parameters_cell_index(nb)
-    source = "# Parameters injected by the course runner\n" + "".join(
-        f"{k} = {v!r}\n" for k, v in params.items()
-    )
+    lines = "".join(f"{k} = {v!r}\n" for k, v in params.items())
+    source = "# Parameters injected by the course runner\n" + lines
     cell = nbformat.v4.new_code_cell(source, metadata={"tags": ["injected-parameters"]})
-    nb.cells.insert(index + 1, cell)
+    nb.cells.insert(parameters_cell_index(nb) + 1, cell)
 
 
 def plan_parameters(
@@ -95,16 +82,15 @@ def plan_parameters(
         except Exception:  # unreadable, or no parameters cell: its run reports why
             known[path.stem] = []
     every = sorted({name for names in known.values() for name in names})
-    unknown = [name for name in params if not any(name in names for names in known.values())]
-    if unknown:
-        lines = []
-        for name in unknown:
-            close = difflib.get_close_matches(name.upper(), every, n=3, cutoff=0.6)
-            near = f"; did you mean {' or '.join(close)}?" if close else ""
-            lines.append(f"--param {name}: no lesson run here has a parameter {name}{near}")
+    lines = []
+    for name in (name for name in params if name not in every):
+        close = difflib.get_close_matches(name.upper(), every, n=3, cutoff=0.6)
+        near = f"; did you mean {' or '.join(close)}?" if close else ""
+        lines.append(f"--param {name}: no lesson run here has a parameter {name}{near}")
+    if lines:
         raise ValueError("\n".join(lines) + f"\nparameters of these lessons: {', '.join(every)}")
     per_lesson = {
-        stem: {k: v for k, v in params.items() if k in names} for stem, names in known.items()
+        stem: {k: params[k] for k in params if k in names} for stem, names in known.items()
     }
     ignored = {
         name: [stem for stem, names in known.items() if name not in names] for name in params
@@ -116,12 +102,10 @@ def _collect(nb: nbformat.NotebookNode, run: LessonRun, *, grading: bool) -> Non
     for cell in nb.cells:
         for out in cell.get("outputs", []):
             data = out.get("data", {})
-            for mime, into in ((RESULT_MIME, run.results), (VERDICT_MIME, run.checks)):
-                if mime in data:
-                    item = data[mime]
-                    if isinstance(item, str):
-                        item = json.loads(item)
-                    into[item["name"]] = item["value" if mime == RESULT_MIME else "passed"]
+            if RESULT_MIME in data:  # +json MIME types: the kernel sends them as objects
+                run.results[data[RESULT_MIME]["name"]] = data[RESULT_MIME]["value"]
+            if VERDICT_MIME in data:
+                run.checks[data[VERDICT_MIME]["name"]] = data[VERDICT_MIME]["passed"]
             # A self-check cell may raise without stopping the run (it is tagged so); outside
             # grading it never should: an error there is a crash of the check cell itself.
             crashed = out.get("output_type") == "error" and is_self_check_cell(cell)
@@ -173,7 +157,7 @@ def run_lesson(
             client.execute(stdout=log, stderr=log)
     except CellExecutionError as exc:
         run.status = "failed"
-        run.error = _short_error(exc)
+        run.error = f"{exc.ename}: {exc.evalue}"
     except (CellTimeoutError, DeadKernelError) as exc:
         run.status = "failed"
         run.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
@@ -183,12 +167,6 @@ def run_lesson(
     nbformat.write(nb, out_path)
     run.output_path = str(out_path)
     return run
-
-
-def _short_error(exc: Exception) -> str:
-    ename = getattr(exc, "ename", type(exc).__name__)
-    evalue = getattr(exc, "evalue", str(exc))
-    return f"{ename}: {evalue}"
 
 
 def run_course(
@@ -218,12 +196,8 @@ def run_course(
         try:
             run = run_lesson(path, out_dir, quick=quick, params=per_lesson.get(path.stem))
         except Exception as exc:  # unreadable notebook, kernel that never starts, ...
-            run = LessonRun(
-                path.stem,
-                "failed",
-                time.perf_counter() - start,
-                error=f"{type(exc).__name__}: {exc}",
-            )
+            error = f"{type(exc).__name__}: {exc}"
+            run = LessonRun(path.stem, "failed", time.perf_counter() - start, error=error)
         if echo:
             mark = "ok " if run.status == "passed" else "FAILED"
             print(f"  {mark} {run.seconds:6.1f} s  {run.error}", flush=True)
