@@ -1,12 +1,13 @@
 """Models for the lessons (lesson 02; split across devices in lesson 05).
 
 Every model is a flat ``nn.Sequential``, so lesson 05 can cut it between any two layers. The
-small CNN and the MLP have no batch normalisation: their outputs for a sample do not depend on
-the rest of the batch, so splitting a batch across devices gives exactly the single-device
-result, which the data-parallel lessons prove.
+small CNN and the MLP have no batch normalisation, so a sample's output does not depend on the
+rest of its batch: split across devices, a batch gives exactly the single-device result.
 """
 
 from __future__ import annotations
+
+from itertools import pairwise
 
 from torch import Tensor, nn
 
@@ -42,12 +43,9 @@ def mlp(
     if depth < 1:
         raise ValueError(f"depth must be at least 1 hidden layer, got {depth}")
     layers: list[nn.Module] = [nn.Flatten()]
-    width = in_features
-    for _ in range(depth):
-        layers += [nn.Linear(width, hidden), nn.ReLU()]
-        width = hidden
-    layers.append(nn.Linear(width, num_classes))
-    return nn.Sequential(*layers)
+    for a, b in pairwise([in_features] + [hidden] * depth):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(hidden, num_classes))
 
 
 class ResidualBlock(nn.Module):
@@ -87,11 +85,10 @@ def resnet_cifar(
     c = width
     for stage, c_out in enumerate((width, 2 * width, 4 * width)):
         for b in range(blocks):
-            stride = 2 if stage > 0 and b == 0 else 1
+            stride = 2 if stage > 0 and b == 0 else 1  # each later stage halves the image
             layers.append(ResidualBlock(c, c_out, stride))
             c = c_out
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, num_classes)]
-    return nn.Sequential(*layers)
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, num_classes))
 
 
 def build_model(name: str, info: DataInfo) -> nn.Sequential:
