@@ -7,7 +7,6 @@ them, so each verdict is decided once. Looking creates no CUDA context in the ca
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import itertools
 import os
 import re
@@ -259,7 +258,9 @@ def diagnose(
         add("warning", "disk", message, fix)
     else:
         add("ok", "disk", message)
-    if importlib.util.find_spec("ipykernel") is None:
+    try:
+        import ipykernel  # noqa: F401
+    except ImportError:
         fix = "pip install -r requirements.txt"
         add("warning", "ipykernel", "ipykernel is missing: notebooks cannot run", fix)
     # Where the multi-device lessons' ranks would run: one per GPU, at least two (lesson 00).
