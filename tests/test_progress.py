@@ -52,6 +52,12 @@ KERNEL_CELLS = [
     "history = fit(model, DataLoader(data, batch_size=8), None, opt, 'cpu', 2)",
     # 3: a bar that is never closed stays a live widget (nothing to summarise yet)
     "open_bar = progress_bar(total=10, desc='open')\nopen_bar.update(3)",
+    # 4: a closed bar's widgets are closed too (their models leave the saved widget state)
+    "kept = progress_bar(range(2), desc='kept')\n"
+    "for _ in kept:\n"
+    "    pass\n"
+    "widgets = (*kept.container.children, kept.container)\n"
+    "print('widgets closed:', all(w.comm is None for w in widgets))",
 ]
 
 
@@ -105,3 +111,8 @@ def test_in_a_notebook_fits_bars_end_as_text(kernel_outputs):
 def test_in_a_notebook_an_open_bar_is_a_live_widget(kernel_outputs):
     outputs = kernel_outputs[3]
     assert any(WIDGET_MIME in o.get("data", {}) for o in outputs)
+
+
+def test_a_closed_bar_closes_its_widgets(kernel_outputs):
+    printed = "".join(o.get("text", "") for o in kernel_outputs[4] if o["output_type"] == "stream")
+    assert "widgets closed: True" in printed, printed
