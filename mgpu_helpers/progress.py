@@ -49,10 +49,13 @@ def _notebook_bar_class() -> type:
             if self._handle is not None:
                 self._handle.update({"text/plain": self.summary()}, raw=True)
                 self._handle = None
-                # The text replaced the widget: close its models too, so that a saved notebook
-                # does not carry the state of bars nothing shows any more.
+                # The text replaced the widget: close its models too (each part's layout and
+                # style are models of their own), so that a saved notebook carries no state
+                # for bars that nothing shows any more.
                 for widget in (*self.container.children, self.container):
-                    widget.close()
+                    for model in (getattr(widget, "style", None), widget.layout, widget):
+                        if model is not None:
+                            model.close()
 
         def summary(self) -> str:
             """The bar as one line of text, as tqdm prints it in a terminal."""

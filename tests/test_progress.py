@@ -56,8 +56,9 @@ KERNEL_CELLS = [
     "kept = progress_bar(range(2), desc='kept')\n"
     "for _ in kept:\n"
     "    pass\n"
-    "widgets = (*kept.container.children, kept.container)\n"
-    "print('widgets closed:', all(w.comm is None for w in widgets))",
+    "parts = (*kept.container.children, kept.container)\n"
+    "models = [m for w in parts for m in (w, w.layout, getattr(w, 'style', None)) if m]\n"
+    "print('widgets closed:', all(m.comm is None for m in models))",
 ]
 
 
