@@ -75,7 +75,8 @@ step gpu_tests 180 "$PY" -m pytest -p no:cacheprovider -q -rs -m "gpu or multigp
   tests/test_devices_extra.py tests/test_launch.py tests/test_model_parallel.py \
   tests/test_timing.py tests/test_train.py
 step loop_overhead 90 "$PY" benchmarks/loop_overhead.py --out "$out/loop_overhead.json"
-step launch_overhead 90 "$PY" benchmarks/launch_overhead.py --repeats 5 \
+# 3 repeats: the benchmark also times bare spawn (each rank imports torch and starts CUDA again)
+step launch_overhead 90 "$PY" benchmarks/launch_overhead.py --repeats 3 \
   --out "$out/launch_overhead.json"
 step pipeline 90 "$PY" benchmarks/pipeline.py --out "$out/pipeline.json"
 echo "== steps:"
