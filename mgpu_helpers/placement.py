@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from . import devices as hardware  # looked up at each call: tests patch its functions
+
 __all__ = ["Placement", "place", "usable_cpus"]
 
 _DEVICES = ("auto", "cpu", "cuda")
@@ -116,10 +118,7 @@ def place(
         raise ValueError(f"n_gpus cannot be negative or fractional, got {n_gpus!r}")
     if cpu_count is not None and (not _whole(cpu_count) or cpu_count < 1):
         raise ValueError(f"cpu_count must be a whole number >= 1, got {cpu_count!r}")
-    # Imported here, not at the top: devices.py imports this module (its deprecated aliases).
-    from .devices import available_backends, gpu_count
-
-    gpus = gpu_count() if n_gpus is None else n_gpus
+    gpus = hardware.gpu_count() if n_gpus is None else n_gpus
     cpus = usable_cpus() if cpu_count is None else cpu_count
     device_type = ("cuda" if gpus >= 1 else "cpu") if device == "auto" else device
     if device_type == "cuda" and gpus == 0:
@@ -132,7 +131,7 @@ def place(
             "device='cpu' (CPU processes)"
         )
     sharing = device_type == "cuda" and world_size > gpus
-    nccl_built = "nccl" in available_backends()
+    nccl_built = "nccl" in hardware.available_backends()
     if backend == "nccl" and device_type != "cuda":
         raise ValueError("the NCCL backend needs GPUs; use backend='gloo' for CPU processes")
     if backend == "nccl" and sharing:
