@@ -21,12 +21,12 @@ from ddp_workers import (
     throughput_worker,
     wrap,
 )
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 from mgpu_helpers.config import LessonConfig, apply_quick
 from mgpu_helpers.data import build_datasets, make_loader
-from mgpu_helpers.ddp import evaluate_distributed
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.launch import launch
 from mgpu_helpers.lesson_code import load_lesson_code
@@ -36,12 +36,14 @@ from mgpu_helpers.train import EpochResult, History, seed_everything
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Lesson 04's section 6 worker, as its cell writes it; the names are the lesson's imports.
+# Lesson 04's section 6 evaluation and worker, as its cells write them; the names are the
+# lesson's imports (train_ddp reads the lesson's evaluate_distributed, loaded with it).
 LESSON_04 = load_lesson_code(
     "04",
-    ["train_ddp"],
+    ["real_samples", "evaluate_distributed", "train_ddp"],
     {
         "DDP": DDP,
+        "DataLoader": DataLoader,
         "DistributedSampler": DistributedSampler,
         "EpochResult": EpochResult,
         "F": F,
@@ -49,8 +51,8 @@ LESSON_04 = load_lesson_code(
         "build_datasets": build_datasets,
         "build_model": build_model,
         "dist": dist,
-        "evaluate_distributed": evaluate_distributed,
         "make_loader": make_loader,
+        "nn": nn,
         "seed_everything": seed_everything,
         "synchronize": synchronize,
         "time": time,
