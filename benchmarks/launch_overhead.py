@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import socket
@@ -73,8 +72,8 @@ def _model() -> nn.Sequential:
     )
 
 
-def work(name: str, device: torch.device) -> float:
-    """One workload on this rank (the process group is up); the wall-clock time it finished."""
+def work(name: str, device: torch.device) -> None:
+    """One workload on this rank (the process group is up)."""
     if name == "allreduce":
         t = torch.ones(1, device=device)
         dist.all_reduce(t)
@@ -91,12 +90,11 @@ def work(name: str, device: torch.device) -> float:
             optimizer.step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.time()
 
 
-def launched_worker(env, name: str) -> float:
+def launched_worker(env, name: str) -> None:
     """What the launcher runs on each rank (it has already joined the process group)."""
-    return work(name, env.device)
+    work(name, env.device)
 
 
 def bare_worker(rank: int, port: int, spec: dict, name: str) -> None:
@@ -267,10 +265,10 @@ def main(argv: list[str] | None = None) -> int:
             "target": TARGET,
             "target_met": met,
         }
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"results written to {out}")
+        from mgpu_helpers.util import write_json
+
+        write_json(args.out, result)
+        print(f"results written to {args.out}")
     return 0
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import os
 import platform
 import queue
 import statistics
@@ -67,7 +66,7 @@ from mgpu_helpers.model_parallel import (  # noqa: E402
     run_stages,
 )
 from mgpu_helpers.models import count_parameters, mlp  # noqa: E402
-from mgpu_helpers.placement import place  # noqa: E402
+from mgpu_helpers.placement import place, usable_cpus  # noqa: E402
 from mgpu_helpers.timing import synchronize  # noqa: E402
 from mgpu_helpers.util import write_json  # noqa: E402
 
@@ -172,7 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def separate_hardware(devices: list[torch.device]) -> tuple[bool, str]:
     """Whether each stage gets hardware of its own, and why (the ideal depends on it)."""
     if all(d.type == "cpu" for d in devices):
-        cores = os.cpu_count() or 1
+        cores = usable_cpus()  # the cores this process may run on
         ok = cores >= len(devices)
         return ok, f"CPU stages, one core each: {cores} cores for {len(devices)} stages"
     if len(set(devices)) == len(devices):

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 
 from .config import DATASETS, LessonConfig, resolve_data_dir
+from .placement import usable_cpus
 
 __all__ = [
     "DataInfo",
@@ -163,7 +164,7 @@ def loader_settings(device: torch.device | str, dataset: Dataset) -> dict:
     if in_memory or not on_gpu:
         workers = 0
     else:
-        per_gpu = (os.cpu_count() or 1) // max(1, torch.cuda.device_count())
+        per_gpu = usable_cpus() // max(1, torch.cuda.device_count())  # this process's cores
         workers = max(1, min(4, per_gpu - 1))
     return {"num_workers": workers, "pin_memory": on_gpu, "persistent_workers": workers > 0}
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import itertools
-import os
 import re
 import shutil
 import sys
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 
 from mgpu_helpers.config import course_root
 from mgpu_helpers.devices import Hardware, describe_hardware, nvidia_smi
-from mgpu_helpers.placement import place
+from mgpu_helpers.placement import place, usable_cpus
 
 __all__ = ["LEVELS", "PINNED", "Finding", "diagnose", "exit_code", "first"]
 
@@ -206,7 +205,7 @@ def diagnose(
 ) -> tuple[Finding, ...]:
     """Everything `mgpu doctor` reports, in its order (lesson 00; pass ``hardware`` if at hand)."""
     hw = describe_hardware() if hardware is None else hardware
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else hw.cpu_count
+    usable = usable_cpus()
     findings: list[Finding] = []
 
     def add(level: str, topic: str, message: str, fix: str = "") -> None:

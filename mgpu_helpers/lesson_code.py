@@ -25,10 +25,17 @@ __all__ = [
     "lesson_definitions",
     "lesson_function",
     "load_lesson_code",
+    "python_only",
     "show_diff",
 ]
 
 _NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def python_only(source: str) -> str:
+    """A code cell without IPython's lines (``%magic``, ``!command``), blanked so that ``ast``
+    reads it and line numbers stay those of the cell."""
+    return "\n".join("" if x.lstrip()[:1] in ("%", "!") else x for x in source.splitlines())
 
 
 def _find_lesson(lesson: str, folder: str | Path | None) -> Path:
@@ -83,9 +90,8 @@ def lesson_definitions(lesson: str, folder: str | Path | None = None) -> dict[st
         if cell["cell_type"] != "code":
             continue
         source = "".join(cell["source"])  # a string, or a list of lines
-        # IPython lines (%magic, !command) are no Python: blank them, keeping line numbers.
-        lines = ["" if x.lstrip().startswith(("%", "!")) else x for x in source.splitlines()]
-        text = "\n".join(lines) + "\n"
+        text = python_only(source) + "\n"
+        lines = text.splitlines()
         try:
             tree = ast.parse(text)
         except SyntaxError:

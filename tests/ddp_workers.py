@@ -1,8 +1,8 @@
 """The tests' own DDP workers for lesson 04's mechanisms (the lesson writes its own in its cells).
 
 The step-by-step proofs (sections 4-5), the sampler demonstration (section 3) and the throughput
-measurement (section 8). The training worker of section 6 is not copied here: ``test_ddp.py``
-runs the lesson's own ``train_ddp``, read from the notebook with ``load_lesson_code``.
+measurement (section 8). Section 6's evaluation and training worker are not copied here:
+:data:`LESSON_04` holds the lesson's own, read from the notebook with ``load_lesson_code``.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,9 +25,35 @@ from mgpu_helpers.config import LessonConfig
 from mgpu_helpers.data import build_datasets, make_loader
 from mgpu_helpers.devices import full_float32
 from mgpu_helpers.dist_env import DistEnv
+from mgpu_helpers.lesson_code import load_lesson_code
 from mgpu_helpers.models import build_model, resnet_cifar, small_cnn
 from mgpu_helpers.timing import synchronize
-from mgpu_helpers.train import seed_everything
+from mgpu_helpers.train import EpochResult, History, seed_everything
+
+# Lesson 04's section 6 evaluation and worker, as its cells write them; the names are the
+# lesson's imports (train_ddp reads the lesson's evaluate_distributed, loaded with it).
+LESSON_04 = load_lesson_code(
+    "04",
+    ["real_samples", "evaluate_distributed", "train_ddp"],
+    {
+        "DDP": DDP,
+        "DataLoader": DataLoader,
+        "DistributedSampler": DistributedSampler,
+        "EpochResult": EpochResult,
+        "F": F,
+        "History": History,
+        "build_datasets": build_datasets,
+        "build_model": build_model,
+        "dist": dist,
+        "make_loader": make_loader,
+        "nn": nn,
+        "seed_everything": seed_everything,
+        "synchronize": synchronize,
+        "time": time,
+        "torch": torch,
+    },
+    folder=Path(__file__).resolve().parents[1] / "notebooks",
+)
 
 
 def wrap(model: nn.Module, env: DistEnv, group: dist.ProcessGroup | None = None) -> DDP:

@@ -18,21 +18,14 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _benchmark():
-    """benchmarks/pipeline.py, imported once: it loads the lesson's code with its imports."""
-    if "lesson05_pipeline" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "lesson05_pipeline", ROOT / "benchmarks" / "pipeline.py"
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["lesson05_pipeline"]
-
-
-NAMES = _benchmark().NAMES
-lesson = _benchmark().lesson
+_spec = importlib.util.spec_from_file_location(
+    "lesson05_pipeline", ROOT / "benchmarks" / "pipeline.py"
+)
+assert _spec is not None and _spec.loader is not None
+_pipeline = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = _pipeline  # pytest imports this module once: one load of the lesson
+_spec.loader.exec_module(_pipeline)
+NAMES, lesson = _pipeline.NAMES, _pipeline.lesson
 
 
 def split_sequential(model: nn.Sequential, cuts: list[int], devices: list[str]) -> nn.Module:

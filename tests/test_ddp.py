@@ -6,60 +6,28 @@ The training worker is the lesson's own ``train_ddp``, read from its notebook an
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from ddp_workers import (
+    LESSON_04,
     ddp_step_worker,
     reference_steps,
     sampler_indices_worker,
     throughput_worker,
     wrap,
 )
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler
 
 from mgpu_helpers.config import LessonConfig, apply_quick
-from mgpu_helpers.data import build_datasets, make_loader
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.launch import launch
-from mgpu_helpers.lesson_code import load_lesson_code
-from mgpu_helpers.models import build_model, small_cnn
-from mgpu_helpers.timing import synchronize
-from mgpu_helpers.train import EpochResult, History, seed_everything
+from mgpu_helpers.models import small_cnn
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Lesson 04's section 6 evaluation and worker, as its cells write them; the names are the
-# lesson's imports (train_ddp reads the lesson's evaluate_distributed, loaded with it).
-LESSON_04 = load_lesson_code(
-    "04",
-    ["real_samples", "evaluate_distributed", "train_ddp"],
-    {
-        "DDP": DDP,
-        "DataLoader": DataLoader,
-        "DistributedSampler": DistributedSampler,
-        "EpochResult": EpochResult,
-        "F": F,
-        "History": History,
-        "build_datasets": build_datasets,
-        "build_model": build_model,
-        "dist": dist,
-        "make_loader": make_loader,
-        "nn": nn,
-        "seed_everything": seed_everything,
-        "synchronize": synchronize,
-        "time": time,
-        "torch": torch,
-    },
-    folder=ROOT / "notebooks",
-)
 train_ddp = LESSON_04.train_ddp
 
 

@@ -7,43 +7,17 @@ the test-set size and the world size (the sampler's padding is left out).
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from ddp_workers import wrap
-from torch import nn
+from ddp_workers import LESSON_04, wrap
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.launch import launch
-from mgpu_helpers.lesson_code import load_lesson_code
 from mgpu_helpers.models import small_cnn
-from mgpu_helpers.timing import synchronize
-from mgpu_helpers.train import EpochResult, evaluate
+from mgpu_helpers.train import evaluate
 
-ROOT = Path(__file__).resolve().parents[1]
-
-# Lesson 04's section 6 evaluation, as its cell writes it; the names are the lesson's imports.
-LESSON_04 = load_lesson_code(
-    "04",
-    ["real_samples", "evaluate_distributed"],
-    {
-        "DataLoader": DataLoader,
-        "DistributedSampler": DistributedSampler,
-        "EpochResult": EpochResult,
-        "F": F,
-        "dist": dist,
-        "nn": nn,
-        "synchronize": synchronize,
-        "time": time,
-        "torch": torch,
-    },
-    folder=ROOT / "notebooks",
-)
 real_samples, evaluate_distributed = LESSON_04.real_samples, LESSON_04.evaluate_distributed
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import nbformat
 
+from mgpu_helpers.lesson_code import python_only
+
 __all__ = [
     "PARAMETERS_TAG",
     "SELF_CHECK_TAG",
@@ -60,7 +62,7 @@ def parameters_cell_index(nb: nbformat.NotebookNode) -> int:
 
 def parameter_names(nb: nbformat.NotebookNode) -> list[str]:
     """The names the parameters cell assigns, in order (what ``--param NAME=...`` may set)."""
-    tree = ast.parse(_python_only(nb.cells[parameters_cell_index(nb)].source))
+    tree = ast.parse(python_only(nb.cells[parameters_cell_index(nb)].source))
     names: list[str] = []
     for node in tree.body:
         targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
@@ -81,7 +83,7 @@ def is_self_check_cell(cell: nbformat.NotebookNode) -> bool:
     if cell.cell_type != "code" or "check(" not in cell.source:
         return False
     try:
-        tree = ast.parse(_python_only(cell.source))
+        tree = ast.parse(python_only(cell.source))
     except SyntaxError:  # a learner's half-typed cell: fall back to the text
         return re.search(r"^(_\s*=\s*)?check\(", cell.source, re.MULTILINE) is not None
     calls = [n.value for n in tree.body if isinstance(n, (ast.Expr, ast.Assign))]
@@ -98,13 +100,6 @@ def exercise_check_indices(nb: nbformat.NotebookNode) -> list[int]:
         for i, after in pairwise(code)
         if is_solution_cell(nb.cells[i]) and is_self_check_cell(nb.cells[after])
     ]
-
-
-def _python_only(source: str) -> str:
-    """The cell without IPython's magics and shell lines, which ``ast`` cannot read."""
-    return "\n".join(
-        "" if line.lstrip()[:1] in ("%", "!") else line for line in source.splitlines()
-    )
 
 
 def _solution_metadata(grade_id: str) -> dict:
