@@ -57,10 +57,9 @@ student: $(STAMP)  ## the student copy of the course (solutions stubbed) in buil
 doctor: $(STAMP)  ## environment report
 	$(BIN)/mgpu doctor
 
-benchmark: $(STAMP)  ## the speed targets, measured side by side
-	$(BIN)/python benchmarks/loop_overhead.py
-	$(BIN)/python benchmarks/launch_overhead.py
-	$(BIN)/python benchmarks/pipeline.py
+# Every result (JSON, output, a picture each, summary.txt) in benchmarks/results/<host>-<date>/.
+benchmark: $(STAMP)  ## the speed targets, measured side by side (QUICK=1: smoke runs)
+	$(BIN)/python benchmarks/run_all.py $(QUICK_FLAG)
 
 clean:
 	rm -rf build .pytest_cache

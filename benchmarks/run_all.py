@@ -1,0 +1,247 @@
+"""Every benchmark of the course in one go, with the results in one folder (`make benchmark`).
+
+    python benchmarks/run_all.py                         # benchmarks/results/<host>-<date>/
+    python benchmarks/run_all.py --quick --out /tmp/b    # a smoke run: the numbers mean little
+    python benchmarks/run_all.py --only pipeline allreduce
+
+Each benchmark runs in a process of its own with `--out <folder>/<name>.json`; what it prints is
+kept in `<name>.txt`, and a picture of its measurements is drawn from its JSON into `<name>.png`.
+At the end `summary.txt` (also printed) and `summary.json` put every headline number next to its
+**target** (a limit the course sets for its own code, such as the launcher at most 2x a bare
+fork) or its **ideal** (what the hardware would give with no overhead, such as the bubble
+formula or the memory-copy ceiling). A target is met or missed; an ideal is only approached, so
+its row shows the fraction reached. A benchmark that fails is reported, and the others still run.
+Timings on a busy machine say little: each benchmark warns when its repeats disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # run from a source checkout without installing
+
+from mgpu_helpers.plots import plot_micro_batch_sweep  # noqa: E402
+from mgpu_helpers.util import write_json  # noqa: E402
+
+BENCHMARKS = ("loop_overhead", "launch_overhead", "pipeline", "ddp_from_scratch", "allreduce")
+
+
+@dataclass(frozen=True)
+class Headline:
+    """One number a benchmark exists to measure, next to what it is measured against."""
+
+    benchmark: str
+    what: str
+    measured: float
+    reference: float  # the target (an upper limit) or the ideal
+    kind: str  # "target": met when measured <= reference; "ideal": shown as a fraction of it
+
+    @property
+    def met(self) -> bool | None:
+        return self.measured <= self.reference if self.kind == "target" else None
+
+    def row(self) -> str:
+        if self.kind == "target":
+            verdict = "met" if self.met else "NOT met"
+            against = f"target <= {self.reference:g}: {verdict}"
+        else:
+            against = f"ideal {self.reference:.3g}: {self.measured / self.reference:.0%} of it"
+        return f"{self.benchmark:<17} {self.what:<44} {self.measured:9.3g}   {against}"
+
+
+def _loop_overhead(r: Mapping) -> list[Headline]:
+    return [
+        Headline(
+            "loop_overhead",
+            "fit / minimal loop (progress bars on)",
+            r["ratio_fit_bar"],
+            r["target"],
+            "target",
+        ),
+        Headline(
+            "loop_overhead",
+            "fit / minimal loop (bars off)",
+            r["ratio_fit_no_bar"],
+            r["target"],
+            "target",
+        ),
+    ]
+
+
+def _launch_overhead(r: Mapping) -> list[Headline]:
+    return [
+        Headline(
+            "launch_overhead",
+            f"launcher / bare fork, {w}",
+            ratios["launcher/fork"],
+            r["target"],
+            "target",
+        )
+        for w, ratios in r["ratios"].items()
+    ]
+
+
+def _pipeline(r: Mapping) -> list[Headline]:
+    return [
+        Headline(
+            "pipeline",
+            f"{name}: speed-up over the unsplit model",
+            ratio,
+            r["ideal_ratio_to_unsplit"][name],
+            "ideal",
+        )
+        for name, ratio in r["ratio_to_unsplit"].items()
+        if name.startswith("pipe")
+    ]
+
+
+def _bars(title: str, seconds: Mapping[str, Sequence[float]], ylabel: str) -> Figure:
+    """Median seconds per variant with a whisker from the fastest to the slowest repeat."""
+    names = list(seconds)
+    med = [sorted(t)[len(t) // 2] for t in seconds.values()]
+    low = [m - min(t) for m, t in zip(med, seconds.values(), strict=True)]
+    high = [max(t) - m for m, t in zip(med, seconds.values(), strict=True)]
+    fig = Figure(figsize=(max(4.5, 1.5 * len(names) + 2), 3.6))
+    ax = fig.subplots()
+    ax.bar(names, med, color=[f"C{i}" for i in range(len(names))])
+    ax.errorbar(range(len(names)), med, [low, high], fmt="none", ecolor="black", capsize=6)
+    ax.set(title=title, ylabel=ylabel)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_loop_overhead(r: Mapping) -> Figure:
+    return _bars("training loop: fit against a minimal loop", r["seconds"], "seconds per run")
+
+
+def _plot_launch_overhead(r: Mapping) -> Figure:
+    seconds = {f"{w}\n{v}": t for w, runs in r["seconds"].items() for v, t in runs.items()}
+    return _bars("launching ranks: call to return", seconds, "seconds")
+
+
+def _plot_pipeline(r: Mapping) -> Figure:
+    names = [n for n in r["samples_per_sec"] if n.startswith("pipe")]
+    speed = r["samples_per_sec"]
+    return plot_micro_batch_sweep(
+        [int(n.split("=")[1]) for n in names],
+        [speed[n] for n in names],
+        ideal=[r["ideal_ratio_to_unsplit"][n] * speed["unsplit"] for n in names],
+        baseline=speed["unsplit"],
+        title=f"pipeline on {', '.join(r['devices'])}",
+    )
+
+
+Reader = tuple[Callable[[Mapping], list[Headline]], Callable[[Mapping], Figure]]
+READERS: dict[str, Reader] = {
+    "loop_overhead": (_loop_overhead, _plot_loop_overhead),
+    "launch_overhead": (_launch_overhead, _plot_launch_overhead),
+    "pipeline": (_pipeline, _plot_pipeline),
+}
+
+
+def default_folder(now: datetime.date | None = None) -> Path:
+    """benchmarks/results/<host>-<YYYY-MM-DD>: one folder per machine and day."""
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname()) or "host"
+    return HERE / "results" / f"{host}-{(now or datetime.date.today()).isoformat()}"
+
+
+def run_one(name: str, folder: Path, quick: bool, timeout: float) -> tuple[int, float]:
+    """Run benchmarks/<name>.py with its JSON going to the folder; its output is kept too."""
+    cmd = [sys.executable, str(HERE / f"{name}.py"), "--out", str(folder / f"{name}.json")]
+    cmd += ["--quick"] if quick else []
+    print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+    start = time.perf_counter()
+    with open(folder / f"{name}.txt", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:  # shown as it comes, and kept
+            print(line, end="", flush=True)
+            log.write(line)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+            log.write(f"\n== killed after {timeout:.0f} s\n")
+    return rc, time.perf_counter() - start
+
+
+def summarize(folder: Path, names: Sequence[str]) -> tuple[list[Headline], list[str]]:
+    """The headlines of the benchmarks whose JSON is in ``folder``, and pictures of them."""
+    headlines, problems = [], []
+    for name in names:
+        path = folder / f"{name}.json"
+        if not path.exists():
+            problems.append(f"{name}: no results (see {name}.txt)")
+            continue
+        result = json.loads(path.read_text())
+        headline, plot = READERS[name]
+        headlines += headline(result)
+        plot(result).savefig(folder / f"{name}.png", dpi=110)
+    return headlines, problems
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default above)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=BENCHMARKS,
+        default=None,
+        metavar="NAME",
+        help=f"some of: {', '.join(BENCHMARKS)}",
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke runs: the numbers mean little")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per benchmark")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    names = [n for n in BENCHMARKS if n in (args.only or BENCHMARKS)]
+    folder = args.out or default_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    status = {}
+    for name in names:
+        rc, seconds = run_one(name, folder, args.quick, args.timeout)
+        status[name] = {"exit_status": rc, "seconds": round(seconds, 1)}
+    headlines, problems = summarize(folder, [n for n in names if status[n]["exit_status"] == 0])
+    problems = [
+        f"{n}: exited {s['exit_status']}" for n, s in status.items() if s["exit_status"] != 0
+    ] + problems
+    lines = [f"{'benchmark':<17} {'what':<44} {'measured':>9}   against"]
+    lines += [h.row() for h in headlines]
+    lines += [f"FAILED {p}" for p in problems]
+    if args.quick:
+        lines.append("(quick mode: smoke runs, the numbers mean little)")
+    summary = "\n".join(lines)
+    print(f"\n== summary ({folder})\n{summary}")
+    (folder / "summary.txt").write_text(summary + "\n")
+    write_json(
+        folder / "summary.json",
+        {
+            "quick": args.quick,
+            "runs": status,
+            "headlines": [{**asdict(h), "met": h.met} for h in headlines],
+            "problems": problems,
+        },
+    )
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
