@@ -347,3 +347,89 @@ def plot_micro_batch_sweep(
     ax.legend(fontsize="small")
     fig.tight_layout()
     return fig
+
+
+# lesson 06, section 2
+from .comm import size_label  # noqa: E402  (added at the end: this section's imports)
+
+__all__ += ["plot_bandwidth", "plot_cost_model"]
+
+
+def _bytes_axis(ax, sizes: Sequence[int]) -> None:
+    """A log2 axis of message sizes labelled 1 KiB, 4 KiB, ... 64 MiB (at most ~9 labels)."""
+    ax.set_xscale("log", base=2)
+    step = max(1, math.ceil(len(sizes) / 9))
+    ticks = list(sizes)[::step]
+    ax.set_xticks(ticks, [size_label(s) for s in ticks], fontsize="small", rotation=30)
+    ax.minorticks_off()
+    ax.set_xlabel("message size")
+
+
+def plot_bandwidth(
+    sizes: Sequence[int],
+    bandwidths: Mapping[str, Sequence[float]],
+    *,
+    ceiling: float | None = None,
+    ceiling_label: str = "memory copy (ceiling)",
+    title: str = "all-reduce bandwidth",
+) -> Figure:
+    """Bandwidths (bytes/s, drawn in GB/s) against message size, with a ceiling line (lesson 06).
+
+    ``bandwidths``: one curve per name (e.g. algbw and busbw), one value per size.
+    """
+    if not sizes:
+        raise ValueError("need at least one message size")
+    for name, values in bandwidths.items():
+        if len(values) != len(sizes):
+            raise ValueError(f"{name!r}: {len(values)} values for {len(sizes)} sizes; need one")
+    fig = Figure(figsize=(7, 3.8))
+    ax = fig.subplots()
+    for i, (name, values) in enumerate(bandwidths.items()):
+        ax.plot(sizes, [v / 1e9 for v in values], "-o", markersize=3, color=f"C{i}", label=name)
+    if ceiling is not None:
+        ax.axhline(ceiling / 1e9, color="black", linestyle="--", label=ceiling_label)
+    ax.set_yscale("log")
+    _bytes_axis(ax, sizes)
+    ax.set(ylabel="GB/s (10⁹ bytes per second)", title=title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(**_BESIDE)
+    fig.tight_layout()
+    return fig
+
+
+def plot_cost_model(
+    sizes: Sequence[int],
+    seconds: Sequence[float],
+    model_seconds: Sequence[float],
+    *,
+    spread: Sequence[tuple[float, float]] | None = None,
+    model_label: str = "model",
+    title: str = "all-reduce time",
+) -> Figure:
+    """Measured times (points) and a model's (line) against message size, log-log (lesson 06).
+
+    ``spread``: each size's (fastest, slowest) repeat, drawn as a whisker around its point.
+    """
+    if not len(sizes) == len(seconds) == len(model_seconds) or not sizes:
+        raise ValueError(
+            f"need one time and one model time per size: {len(sizes)} sizes, {len(seconds)} "
+            f"times, {len(model_seconds)} model times"
+        )
+    fig = Figure(figsize=(7, 3.8))
+    ax = fig.subplots()
+    ms = [t * 1e3 for t in seconds]
+    if spread is not None:
+        if len(spread) != len(sizes):
+            raise ValueError(f"need one (fastest, slowest) pair per size, got {len(spread)}")
+        below = [m - lo * 1e3 for m, (lo, _) in zip(ms, spread, strict=True)]
+        above = [hi * 1e3 - m for m, (_, hi) in zip(ms, spread, strict=True)]
+        ax.errorbar(sizes, ms, [below, above], fmt="none", ecolor="grey", capsize=3)
+    ax.plot(sizes, ms, "o", color="C0", label="measured (median)")
+    ax.plot(sizes, [t * 1e3 for t in model_seconds], "-", color="black", label=model_label)
+    ax.set_yscale("log")
+    _bytes_axis(ax, sizes)
+    ax.set(ylabel="ms per all-reduce", title=title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(**_BESIDE)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,80 @@
+"""Smoke test of benchmarks/allreduce.py (lesson 06, section 2: all-reduce bandwidth).
+
+It runs the script as a learner would, from the source tree, in quick mode on two CPU processes
+with small messages, and checks the table, the fitted model and the JSON it writes; then that
+it refuses what it cannot measure. No speed is asserted: speed belongs to the benchmark.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "allreduce.py"
+
+
+def run_script(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=cwd,  # not the repository root: PYTHONPATH alone must find the package
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_allreduce_benchmark_writes_its_schema(tmp_path: Path) -> None:
+    out = tmp_path / "allreduce.json"
+    args = ("--quick", "--device", "cpu", "--world-size", "2", "--max-mb", "0.25")
+    run = run_script(*args, "--repeats", "2", "--out", str(out), cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "busbw GB/s" in run.stdout and "ideal (ceiling): copies of 256 MiB" in run.stdout
+    assert "fitted: alpha =" in run.stdout
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "allreduce" and result["quick"] is True
+    assert result["world_size"] == 2 and result["backend"] == "gloo"
+    assert result["busbw_factor"] == 1.0 and result["repeats"] == 2
+    assert result["hardware"]["torch"] and "cpu_count" in result["hardware"]
+    sizes = result["sizes"]
+    assert [r["bytes"] for r in sizes] == [2**k for k in range(10, 19)]  # 1 KiB .. 256 KiB
+    ceiling = result["ceiling"]["bytes_per_s"]
+    for r in sizes:
+        assert len(r["seconds"]) == 2 and r["median_seconds"] > 0
+        assert r["algbw_bytes_per_s"] == r["bytes"] / r["median_seconds"]
+        assert r["busbw_bytes_per_s"] == r["algbw_bytes_per_s"]  # n = 2
+        assert r["busbw_over_ceiling"] == r["busbw_bytes_per_s"] / ceiling
+        assert r["model_seconds"] > 0
+    assert "bytes copied" in result["ceiling"]["counted"] and len(result["ceiling"]["seconds"]) == 2
+    model = result["model"]
+    assert model["alpha_seconds"] >= 0 and model["beta_bytes_per_s"] > 0
+    assert "relative" in model["fit"]
+
+
+def load_benchmark():
+    """The script as a module, for the refusals: they need no processes of their own."""
+    spec = importlib.util.spec_from_file_location("allreduce_benchmark", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_allreduce_benchmark_refuses_what_it_cannot_measure(capsys) -> None:
+    bench = load_benchmark()
+    assert bench.main(["--device", "cpu", "--world-size", "512"]) == 2
+    err = capsys.readouterr().err
+    assert "more than the" in err and "use --world-size" in err
+    assert bench.main(["--device", "cpu", "--world-size", "1"]) == 2
+    assert "2 or more ranks" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--max-mb", "0.0001"])
+    assert exit_.value.code == 2 and "starts at 1 KiB" in capsys.readouterr().err
