@@ -8,9 +8,11 @@ FashionMNIST come through torchvision and download into the course's ``data/`` f
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 
 from .config import DATASETS, LessonConfig, resolve_data_dir
@@ -18,6 +20,7 @@ from .placement import usable_cpus
 
 __all__ = [
     "DataInfo",
+    "EncodedImages",
     "build_datasets",
     "digits",
     "loader_settings",
@@ -202,3 +205,69 @@ def make_loader(
         generator=torch.Generator().manual_seed(seed) if shuffle else None,
         **loader_settings(device, dataset),
     )
+
+
+class EncodedImages(Dataset):
+    """Images kept compressed and decoded, cropped, mirrored and blurred per sample (lesson 06).
+
+    It does on the CPU what a real image loader does for every sample it hands out: decompress
+    (zlib, standing in for PNG/JPEG), convert to float, take a random crop, maybe mirror,
+    normalise; ``blur_passes`` 3x3 blurs set how much work that is. Items are ``(image, label)``,
+    or ``(image, label, index)`` with ``return_index``. It lives in the package because
+    DataLoader workers started with the spawn method (macOS, Windows) import the dataset's class
+    by name, which fails for a class defined in a notebook.
+    """
+
+    def __init__(
+        self,
+        n: int = 1024,
+        side: int = 16,
+        channels: int = 1,
+        num_classes: int = 10,
+        blur_passes: int = 4,
+        seed: int = 0,
+        return_index: bool = False,
+    ) -> None:
+        sizes = {
+            "n": (n, 1),
+            "side": (side, 4),
+            "channels": (channels, 1),
+            "num_classes": (num_classes, 1),
+            "blur_passes": (blur_passes, 0),
+        }
+        for name, (value, least) in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(
+                    f"EncodedImages: {name}={value!r}; it must be a whole number >= {least}"
+                )
+        g = torch.Generator().manual_seed(seed)
+        self.side, self.channels, self.blur_passes = side, channels, blur_passes
+        self.margin = side // 8  # the random crop moves by up to this many pixels each way
+        stored = side + 2 * self.margin
+        # smooth pictures (coarse random shapes, upsampled) with a little noise, as 8-bit pixels
+        coarse = torch.rand(n, channels, 4, 4, generator=g)
+        pictures = F.interpolate(coarse, size=(stored, stored), mode="bilinear")
+        pictures = pictures + 0.05 * torch.randn(pictures.shape, generator=g)
+        pixels = (pictures.clamp(0, 1) * 255).round().to(torch.uint8)
+        self.blobs = [zlib.compress(p.numpy().tobytes()) for p in pixels]  # the "files"
+        self.labels = torch.randint(0, num_classes, (n,), generator=g)
+        self.return_index = return_index
+        self.kernel = torch.full((channels, 1, 3, 3), 1 / 9)
+
+    def __len__(self) -> int:
+        return len(self.blobs)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        stored = self.side + 2 * self.margin
+        raw = bytearray(zlib.decompress(self.blobs[index]))  # decode
+        image = torch.frombuffer(raw, dtype=torch.uint8).view(self.channels, stored, stored)
+        image = image.float() / 255
+        top, left = torch.randint(0, 2 * self.margin + 1, (2,)).tolist()  # augment: crop, mirror
+        image = image[:, top : top + self.side, left : left + self.side]
+        if torch.rand(()) < 0.5:
+            image = image.flip(-1)
+        image = (image - 0.5) / 0.25
+        for _ in range(self.blur_passes):
+            image = F.conv2d(image[None], self.kernel, padding=1, groups=self.channels)[0]
+        label = self.labels[index]
+        return (image, label, torch.tensor(index)) if self.return_index else (image, label)

@@ -161,7 +161,11 @@ def load_lesson_code(
     for d in chosen:  # no file to read: tracebacks take the cell's lines from linecache
         lines = d.cell_text.splitlines(keepends=True)
         linecache.cache[d.filename] = (len(d.cell_text), None, lines, d.filename)
-        exec(compile(ast.Module([d.node], []), d.filename, "exec"), namespace)
+        # dont_inherit: compiled as in the notebook, not under this module's `from __future__
+        # import annotations` (which would turn the cell's annotations into strings; DDP's
+        # register_comm_hook, for one, checks the hook's annotations)
+        code = compile(ast.Module([d.node], []), d.filename, "exec", dont_inherit=True)
+        exec(code, namespace)
     return types.SimpleNamespace(**{name: namespace[name] for name in names})
 
 

@@ -1,0 +1,85 @@
+"""Lesson 06, section 6: the data set with per-sample CPU work, and the lesson's loader code.
+
+``EncodedImages`` (the package) must survive DataLoader workers started with spawn, as on
+macOS and Windows; the lesson's ``data_loader`` and ``data_epoch`` are read from its notebook.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from mgpu_helpers.data import EncodedImages
+from mgpu_helpers.lesson_code import load_lesson_code
+from mgpu_helpers.timing import synchronize
+
+LESSON = load_lesson_code(
+    "06",
+    ["data_loader", "data_epoch"],
+    {
+        "BATCH_SIZE": 8,
+        "DataLoader": DataLoader,
+        "SEED": 0,
+        "data_device": torch.device("cpu"),
+        "synchronize": synchronize,
+        "time": time,
+        "torch": torch,
+    },
+)
+
+
+def test_encoded_images_decode_to_normalised_images_with_fixed_labels() -> None:
+    ds = EncodedImages(20, side=16, channels=3, num_classes=7, blur_passes=2, seed=3)
+    assert len(ds) == 20
+    image, label = ds[5]
+    assert image.shape == (3, 16, 16) and image.dtype == torch.float32
+    assert (
+        0 <= int(label) < 7
+        and label == EncodedImages(20, side=16, channels=3, num_classes=7, seed=3).labels[5]
+    )
+    assert image.abs().max() < 2.5  # (pixel - 0.5) / 0.25, blurred: within [-2, 2]
+    again = ds[5][0]
+    assert image.shape == again.shape  # crops and flips are random, the size is not
+
+
+def test_return_index_adds_each_samples_index() -> None:
+    ds = EncodedImages(6, return_index=True, blur_passes=0)
+    assert [int(ds[i][2]) for i in range(6)] == list(range(6))
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"n": 0}, {"side": 2}, {"channels": 0}, {"blur_passes": -1}, {"n": 2.5}]
+)
+def test_bad_sizes_are_refused(kwargs: dict) -> None:
+    with pytest.raises(ValueError, match="whole number"):
+        EncodedImages(**kwargs)
+
+
+def test_workers_started_by_spawn_can_load_it() -> None:
+    """A class from the package pickles by reference: spawn workers (macOS, Windows) find it."""
+    ds = EncodedImages(10, return_index=True, blur_passes=1)
+    assert pickle.loads(pickle.dumps(ds)).labels.tolist() == ds.labels.tolist()
+    loader = DataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context="spawn")
+    indices = torch.cat([i for _, _, i in loader]).tolist()
+    assert indices == list(range(10))
+
+
+def test_the_lessons_loader_delivers_every_sample_once_per_epoch_with_workers() -> None:
+    ds = EncodedImages(21, return_index=True, blur_passes=0)
+    loader = LESSON.data_loader(ds, 2)
+    assert loader.persistent_workers and loader.num_workers == 2
+    orders = [torch.cat([i for _, _, i in loader]).tolist() for _ in range(2)]
+    assert all(sorted(o) == list(range(21)) for o in orders)
+    assert orders[0] != orders[1]
+
+
+def test_data_epoch_trains_on_every_batch_and_clocks_the_wait() -> None:
+    ds = EncodedImages(20, blur_passes=1)
+    seen = []
+    seconds, waited = LESSON.data_epoch(LESSON.data_loader(ds, 0), lambda x, y: seen.append(len(x)))
+    assert seen == [8, 8, 4]
+    assert 0 < waited <= seconds
