@@ -1,0 +1,107 @@
+"""Lesson 06, section 1: each hand-built step gives DDP's gradients (real processes over gloo).
+
+The steps are the lesson's own code, read from its notebook (``load_lesson_code``), run on a
+narrower MLP (WIDTH=64) so that the tests stay fast. The bucket cap used below puts a bucket
+boundary inside a layer (between layer 5's bias and its weight) and gives buckets of different
+sizes; the MaybeSkip model leaves a layer out of the forward pass on some ranks or on all.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mgpu_helpers.dist_env import DistEnv
+from mgpu_helpers.launch import WorkerError, launch
+from mgpu_helpers.lesson_code import load_lesson_code
+from mgpu_helpers.models import mlp
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = (
+    "WIDTH", "DEPTH", "SEED", "BATCH_SIZE", "BUCKET_CAP_MB",
+    "make_model", "make_batch", "MaybeSkip", "DDP_METHODS", "gradients_used_anywhere",
+    "allreduce_each", "make_buckets", "allreduce_buckets", "OverlapBuckets", "overlapped",
+    "gradients_worker", "gradients_runs", "same_as_ddp",
+)  # fmt: skip
+NAMESPACE = {
+    "DDP": DDP, "DistEnv": DistEnv, "F": F, "dist": dist, "functools": functools, "mlp": mlp,
+    "nn": nn, "torch": torch,
+    "IN_FEATURES": 256, "CLASSES": 10,  # the head's `IN_FEATURES, CLASSES = 256, 10`
+}  # fmt: skip
+lesson = load_lesson_code("06", NAMES, NAMESPACE, folder=ROOT / "notebooks")
+NAMESPACE["WIDTH"] = 64  # small layers: fast steps; the code reads WIDTH when it runs
+# the notebook registers each step in DDP_METHODS in the cell that defines it
+lesson.DDP_METHODS["step 1"] = lesson.allreduce_each
+lesson.DDP_METHODS["step 2"] = lesson.allreduce_buckets
+lesson.DDP_METHODS["step 3"] = lesson.overlapped
+# bytes, in parameter order (WIDTH=64, DEPTH=3): 65536, 256, 16384, 256, 16384, 256, 2560, 40
+CAP_MB = 2700 / 2**20  # closes [b7, w7, b5] (2856 B), then [w5], [b3, w3], [b1, w1]
+UNEVEN = [[7, 6, 5], [4], [3, 2], [1, 0]]
+STEPS = ["ddp", "step 1", "step 2", "step 3"]
+
+
+def test_the_cap_gives_uneven_buckets_with_a_boundary_inside_a_layer() -> None:
+    params = list(lesson.make_model().parameters())
+    assert lesson.make_buckets(params, CAP_MB) == UNEVEN
+    sizes = {sum(params[i].numel() for i in b) for b in lesson.make_buckets(params, CAP_MB)}
+    assert len(sizes) == len(UNEVEN)  # every bucket has its own size
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_step_equals_ddp(world_size: int) -> None:
+    """Plain model; a layer skipped on some ranks; a layer skipped on every rank."""
+    runs = [
+        {"methods": STEPS, "cap_mb": CAP_MB},
+        {"methods": STEPS, "cap_mb": CAP_MB, "skip_on": (1,)},
+        {"methods": STEPS, "cap_mb": CAP_MB, "skip_on": tuple(range(world_size))},
+    ]
+    per_rank = launch(lesson.gradients_runs, world_size, runs, device="cpu", echo=False, timeout=60)
+    plain, some, every = ([mine[k] for mine in per_rank] for k in range(3))
+    for results in (plain, some, every):
+        for method in ("step 1", "step 2", "step 3"):
+            lesson.same_as_ddp(results, method)  # raises if a gradient differs
+    assert plain[0]["step 1"]["calls"] == 8  # one all-reduce per parameter tensor
+    assert plain[0]["step 2"]["calls"] == plain[0]["step 3"]["calls"] == len(UNEVEN)
+    # the extra layer (the last two parameters): used by some ranks -> averaged over all ranks;
+    # used by none -> no gradient anywhere, as DDP(find_unused_parameters=True) leaves it
+    for rank in range(world_size):
+        assert some[rank]["step 3"]["grads"][-1] is not None
+        assert every[rank]["ddp"]["grads"][-1] is None
+        assert all(every[rank][m]["grads"][-2] is None for m in STEPS)
+    assert every[0]["step 1"]["calls"] == 8  # the unused layer's two tensors are skipped
+    assert every[0]["step 2"]["calls"] == len(UNEVEN)  # its bucket ([9, 8]) holds nothing used
+
+
+def test_a_bucket_cap_that_is_not_positive_is_refused() -> None:
+    params = list(lesson.make_model().parameters())
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="bucket_cap_mb=25"):
+            lesson.make_buckets(params, bad)
+        with pytest.raises(ValueError, match="more than 0 MB"):
+            lesson.OverlapBuckets(lesson.make_model(), 2, bad)
+
+
+def skipping_worker(env: DistEnv) -> None:
+    """Step 3 without find_unused while rank 0 skips a layer: rank 0 must raise, not hang."""
+    model = lesson.MaybeSkip(skip=env.rank == 0)
+    reducer = lesson.OverlapBuckets(model, env.world_size, CAP_MB)  # find_unused=False
+    x, y = lesson.make_batch(env.rank, 0)
+    F.cross_entropy(model(x), y).backward()
+    reducer.finish()
+
+
+def test_a_missing_gradient_fails_with_the_fix_instead_of_hanging() -> None:
+    start = time.perf_counter()
+    with pytest.raises(WorkerError) as failed:
+        launch(skipping_worker, 2, device="cpu", echo=False, timeout=60)
+    assert time.perf_counter() - start < 30  # far below the 60 s collective timeout
+    assert failed.value.rank == 0
+    assert "pass find_unused=True" in failed.value.details

@@ -1,0 +1,76 @@
+"""benchmarks/ddp_from_scratch.py runs lesson 06's own code and writes its JSON (no timing is
+asserted: speed belongs in the benchmark, not in the tests)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "ddp_from_scratch.py"
+
+
+def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+        check=False,
+    )
+
+
+def test_quick_run_prints_the_ratio_against_its_target_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "ddp.json"
+    result = run("--quick", "--device", "cpu", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "equals DDP's gradients" in text  # the check ran before the timing
+    assert "target <= 1.15 on the CPU with gloo: " in text.splitlines()[-2]
+    for variant in ("DDP", "hand-built", "no communication"):
+        assert variant in text
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "ddp_from_scratch" and data["quick"] is True
+    assert data["hardware"]["backend"] == "gloo" and data["hardware"]["world_size"] == 2
+    assert {"torch", "python", "threads_per_rank", "devices"} <= set(data["hardware"])
+    assert set(data["seconds_per_timing"]) == {"DDP", "hand-built", "no communication"}
+    assert all(len(t) == data["repeats"] for t in data["seconds_per_timing"].values())
+    assert len(data["round_ratios"]) == data["repeats"]
+    assert data["target"] == 1.15 and data["target_applies"] is True
+    assert data["passed"] == (data["ratio"] <= 1.15)
+    assert data["max_difference"] < 1e-6
+    assert sorted(i for b in data["buckets"] for i in b) == list(range(2 * (data["depth"] + 1)))
+
+
+def _load_benchmark():
+    spec = importlib.util.spec_from_file_location("ddp_from_scratch_benchmark", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)  # loads the lesson's code; main() does not run
+    return benchmark
+
+
+def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    benchmark = _load_benchmark()
+    for args, message in ((["--cap-mb", "0"], "--cap-mb"), (["--ranks", "1"], "at least 2 ranks")):
+        with pytest.raises(SystemExit) as stopped:
+            benchmark.parse_args(["--quick", *args])
+        assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_benchmark_runs_lesson_06s_own_code() -> None:
+    """OverlapBuckets and make_buckets are written in lesson 06's cells only."""
+    benchmark = _load_benchmark()
+    notebook = str(ROOT / "notebooks" / "06_performance.ipynb")
+    assert benchmark.lesson.OverlapBuckets.__module__ == "06_performance"
+    assert benchmark.lesson.make_buckets.__code__.co_filename.startswith(notebook)
+    assert getattr(benchmark, "OverlapBuckets", None) is None  # no copy of its own
