@@ -377,16 +377,23 @@ def plot_bandwidth(
 ) -> Figure:
     """Bandwidths (bytes/s, drawn in GB/s) against message size, with a ceiling line (lesson 06).
 
-    ``bandwidths``: one curve per name (e.g. algbw and busbw), one value per size.
+    ``bandwidths``: one curve per name (e.g. busbw and algbw), one value per size. A curve
+    equal to an earlier one (busbw and algbw for 2 ranks) is drawn once, labelled "busbw = algbw".
     """
     if not sizes:
         raise ValueError("need at least one message size")
+    curves: dict[str, list[float]] = {}
     for name, values in bandwidths.items():
         if len(values) != len(sizes):
             raise ValueError(f"{name!r}: {len(values)} values for {len(sizes)} sizes; need one")
+        same = [k for k, v in curves.items() if all(map(math.isclose, v, values))]
+        if same:
+            curves[f"{same[0]} = {name}"] = curves.pop(same[0])
+        else:
+            curves[name] = list(values)
     fig = Figure(figsize=(7, 3.8))
     ax = fig.subplots()
-    for i, (name, values) in enumerate(bandwidths.items()):
+    for i, (name, values) in enumerate(curves.items()):
         ax.plot(sizes, [v / 1e9 for v in values], "-o", markersize=3, color=f"C{i}", label=name)
     if ceiling is not None:
         ax.axhline(ceiling / 1e9, color="black", linestyle="--", label=ceiling_label)
@@ -432,7 +439,7 @@ def plot_cost_model(
     _bytes_axis(ax, sizes)
     ax.set(ylabel="ms per all-reduce", title=title)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(**_BESIDE)
+    ax.legend(loc="upper left", fontsize="small")  # small messages sit low: the corner is free
     fig.tight_layout()
     return fig
 

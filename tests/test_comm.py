@@ -21,6 +21,7 @@ from mgpu_helpers import comm
 from mgpu_helpers.comm import elements, size_label, time_collective
 from mgpu_helpers.launch import launch
 from mgpu_helpers.lesson_code import load_lesson_code
+from mgpu_helpers.plots import plot_bandwidth, plot_cost_model
 from mgpu_helpers.timing import Timing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,3 +252,27 @@ def test_exercise_2_solution_goes_through_both_points() -> None:
         assert math.isclose(alpha, ALPHA, rel_tol=1e-6) and math.isclose(beta, BETA, rel_tol=1e-9)
     with pytest.raises(ValueError):
         lesson.two_point_fit((4096, 1e-4), (4096, 2e-4), 2)
+
+
+# --- the plots ---------------------------------------------------------------------------------
+
+
+def test_plot_bandwidth_draws_equal_curves_once() -> None:
+    sizes = [1024, 2048, 4096]
+    fig = plot_bandwidth(sizes, {"busbw": [1e6, 2e6, 3e6], "algbw": [1e6, 2e6, 3e6]}, ceiling=1e9)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["busbw = algbw", "memory copy (ceiling)"]  # 2 ranks: one curve
+    fig = plot_bandwidth(sizes, {"busbw": [1.5, 3.0, 4.5], "algbw": [1.0, 2.0, 3.0]})
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["busbw", "algbw"]
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["1 KiB", "2 KiB", "4 KiB"]
+    with pytest.raises(ValueError, match="need one"):
+        plot_bandwidth(sizes, {"busbw": [1.0, 2.0]})
+
+
+def test_plot_cost_model() -> None:
+    fig = plot_cost_model([1024, 2048], [1e-3, 2e-3], [1.1e-3, 1.9e-3], spread=[(1e-3, 2e-3)] * 2)
+    assert fig.axes[0].get_yscale() == "log" and fig.axes[0].get_xscale() == "log"
+    with pytest.raises(ValueError, match="one time and one model time per size"):
+        plot_cost_model([1024, 2048], [1e-3], [1e-3, 2e-3])
+    with pytest.raises(ValueError, match="per size"):
+        plot_cost_model([1024], [1e-3], [1e-3], spread=[])
