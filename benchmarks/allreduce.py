@@ -34,6 +34,7 @@ spread column says how much.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -170,7 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     copy_bytes = result["copied_bytes"] // lesson.COMM_COPIES
     ceiling = result["copied_bytes"] / copy.median
     medians = [sweep[s].median for s in sizes]
-    alpha, beta = lesson.fit_ring_model(sizes, medians, n)
+    try:
+        alpha, beta = lesson.fit_ring_model(sizes, medians, n)
+        fit_error = None
+    except RuntimeError as exc:  # noise hid the growth with size: report it, keep the rest
+        alpha, beta, fit_error = math.nan, math.nan, str(exc)
 
     rows = []
     for s, t in zip(sizes, medians, strict=True):
@@ -185,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                 "algbw_bytes_per_s": lesson.algbw(s, t),
                 "busbw_bytes_per_s": bus,
                 "busbw_over_ceiling": bus / ceiling,
-                "model_seconds": model,
-                "model_error": model / t - 1,
+                "model_seconds": None if fit_error else model,
+                "model_error": None if fit_error else model / t - 1,
             }
         )
     print(
@@ -194,15 +199,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{'ideal GB/s':>11} {'of ideal':>9} {'model':>12} {'error':>7}"
     )
     for r in rows:
-        print(
+        line = (
             f"{size_label(r['bytes']):>9} {r['median_seconds'] * 1e6:9.1f} us {r['spread']:7.0%} "
             f"{r['algbw_bytes_per_s'] / 1e9:11.3f} {r['busbw_bytes_per_s'] / 1e9:11.3f} "
-            f"{ceiling / 1e9:11.1f} {r['busbw_over_ceiling']:9.1%} "
-            f"{r['model_seconds'] * 1e6:9.1f} us {r['model_error']:+7.0%}"
+            f"{ceiling / 1e9:11.1f} {r['busbw_over_ceiling']:9.1%}"
         )
+        if fit_error is None:
+            line += f" {r['model_seconds'] * 1e6:9.1f} us {r['model_error']:+7.0%}"
+        print(line)
     noisy = [size_label(r["bytes"]) for r in rows if r["spread"] > 0.5]
     best = max(rows, key=lambda r: r["busbw_bytes_per_s"])
-    median_error = statistics.median(abs(r["model_error"]) for r in rows)
+    median_error = None if fit_error else statistics.median(abs(r["model_error"]) for r in rows)
     print(
         f"\nideal (ceiling): copies of {size_label(copy_bytes)} on {placement.devices[0]}, "
         f"{ceiling / 1e9:.1f} GB/s "
@@ -212,11 +219,16 @@ def main(argv: list[str] | None = None) -> int:
         f"best busbw {best['busbw_bytes_per_s'] / 1e9:.3f} GB/s at {size_label(best['bytes'])}: "
         f"{best['busbw_over_ceiling']:.1%} of the ceiling"
     )
-    print(f"model {FORMULA}, fitted: alpha = {alpha * 1e6:.1f} us, beta = {beta / 1e9:.3f} GB/s")
-    print(
-        f"  beta is {beta / ceiling:.1%} of the ceiling; model error over the sizes: median "
-        f"{median_error:.0%}"
-    )
+    if fit_error is None:
+        print(
+            f"model {FORMULA}, fitted: alpha = {alpha * 1e6:.1f} us, beta = {beta / 1e9:.3f} GB/s"
+        )
+        print(
+            f"  beta is {beta / ceiling:.1%} of the ceiling; model error over the sizes: median "
+            f"{median_error:.0%}"
+        )
+    else:
+        print(f"model {FORMULA}: no fit. {fit_error}")
     if noisy:
         print(f"noisy (repeats differ by more than half the median): {', '.join(noisy)}")
     print(f"measured in {wall:.1f} s, launch included")
@@ -249,9 +261,10 @@ def main(argv: list[str] | None = None) -> int:
             "model": {
                 "formula": FORMULA,
                 "fit": FIT,
-                "alpha_seconds": alpha,
-                "beta_bytes_per_s": beta,
+                "alpha_seconds": None if fit_error else alpha,
+                "beta_bytes_per_s": None if fit_error else beta,
                 "median_abs_error": median_error,
+                "error": fit_error,
             },
             "noisy_sizes": noisy,
             "wall_seconds": wall,

@@ -34,28 +34,30 @@ def run_script(*args: str, cwd: Path, timeout: float = 120) -> subprocess.Comple
 
 def test_allreduce_benchmark_writes_its_schema(tmp_path: Path) -> None:
     out = tmp_path / "allreduce.json"
-    args = ("--quick", "--device", "cpu", "--world-size", "2", "--max-mb", "0.25")
+    args = ("--quick", "--device", "cpu", "--world-size", "2", "--max-mb", "2")
     run = run_script(*args, "--repeats", "2", "--out", str(out), cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "busbw GB/s" in run.stdout and "ideal (ceiling): copies of 256 MiB" in run.stdout
-    assert "fitted: alpha =" in run.stdout
     result = json.loads(out.read_text())
     assert result["benchmark"] == "allreduce" and result["quick"] is True
     assert result["world_size"] == 2 and result["backend"] == "gloo"
     assert result["busbw_factor"] == 1.0 and result["repeats"] == 2
     assert result["hardware"]["torch"] and "cpu_count" in result["hardware"]
     sizes = result["sizes"]
-    assert [r["bytes"] for r in sizes] == [2**k for k in range(10, 19)]  # 1 KiB .. 256 KiB
+    assert [r["bytes"] for r in sizes] == [2**k for k in range(10, 22)]  # 1 KiB .. 2 MiB
     ceiling = result["ceiling"]["bytes_per_s"]
     for r in sizes:
         assert len(r["seconds"]) == 2 and r["median_seconds"] > 0
         assert r["algbw_bytes_per_s"] == r["bytes"] / r["median_seconds"]
         assert r["busbw_bytes_per_s"] == r["algbw_bytes_per_s"]  # n = 2
         assert r["busbw_over_ceiling"] == r["busbw_bytes_per_s"] / ceiling
-        assert r["model_seconds"] > 0
+        assert r["model_seconds"] is None or r["model_seconds"] > 0  # None: noise beat the fit
     assert "bytes copied" in result["ceiling"]["counted"] and len(result["ceiling"]["seconds"]) == 2
     model = result["model"]
-    assert model["alpha_seconds"] >= 0 and model["beta_bytes_per_s"] > 0
+    if model["error"] is None:
+        assert model["alpha_seconds"] >= 0 and model["beta_bytes_per_s"] > 0
+    else:  # times that did not grow with size (a busy machine): said, not crashed on
+        assert "no positive bandwidth" in model["error"] and "no fit" in run.stdout
     assert "relative" in model["fit"]
 
 
