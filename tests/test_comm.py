@@ -276,3 +276,26 @@ def test_plot_cost_model() -> None:
         plot_cost_model([1024, 2048], [1e-3], [1e-3, 2e-3])
     with pytest.raises(ValueError, match="per size"):
         plot_cost_model([1024], [1e-3], [1e-3], spread=[])
+
+
+# --- on a GPU: the clock waits for the device -----------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_time_collective_waits_for_the_gpu(one_rank_group) -> None:
+    """A kernel that keeps the GPU busy 20 ms or more per call must show in the time: without
+    the synchronize the host would read the clock while the kernel still runs (microseconds)."""
+
+    def op(tensor: torch.Tensor) -> None:
+        torch.cuda._sleep(50_000_000)  # 50 M clock cycles: 20-50 ms at 1-2.5 GHz, queued
+
+    result = time_collective(op, [4096], "cuda:0", repeats=2, warmup=1, min_seconds=0.0)
+    assert min(result[4096].times) >= 0.01, result[4096].times
+
+
+@pytest.mark.multigpu
+def test_time_collective_over_nccl() -> None:
+    sizes = [1024, 2**20]
+    results = launch(sweep_worker, 2, sizes, -1, device="cuda", echo=False)
+    assert all(r == results[0] for r in results)
+    assert all(len(results[0][s].times) == 2 and results[0][s].median > 0 for s in sizes)
