@@ -83,3 +83,15 @@ def test_data_epoch_trains_on_every_batch_and_clocks_the_wait() -> None:
     seconds, waited = LESSON.data_epoch(LESSON.data_loader(ds, 0), lambda x, y: seen.append(len(x)))
     assert seen == [8, 8, 4]
     assert 0 < waited <= seconds
+
+
+def test_the_blur_averages_neighbours_and_keeps_a_flat_image() -> None:
+    from mgpu_helpers.data import _box_blur
+
+    flat = torch.full((1, 5, 5), 2.0)
+    torch.testing.assert_close(_box_blur(flat), flat)
+    impulse = torch.zeros(1, 5, 5)
+    impulse[0, 2, 2] = 9.0
+    blurred = _box_blur(impulse)
+    torch.testing.assert_close(blurred[0, 1:4, 1:4], torch.ones(3, 3))
+    assert blurred.sum() == 9.0
