@@ -105,3 +105,23 @@ def test_a_missing_gradient_fails_with_the_fix_instead_of_hanging() -> None:
     assert time.perf_counter() - start < 30  # far below the 60 s collective timeout
     assert failed.value.rank == 0
     assert "pass find_unused=True" in failed.value.details
+
+
+def test_exercise_1s_check_passes_the_solution_and_fails_wrong_plans() -> None:
+    names = ("ddp_bucket_plan", "test_ddp_bucket_plan")
+    namespace = {**NAMESPACE, "make_model": lesson.make_model, "make_buckets": lesson.make_buckets}
+    namespace |= {"BUCKET_CAP_MB": 4.0, "ddp_plans": {}}  # no DDP plan: the known cases only
+    exercise = load_lesson_code("06", names, namespace, folder=ROOT / "notebooks")
+    exercise.test_ddp_bucket_plan()  # the solution passes
+
+    def forward_order(sizes: list[int], cap: int, first_cap: int) -> list[list[int]]:
+        reverse = exercise.ddp_bucket_plan(sizes[::-1], cap, first_cap)
+        return [[len(sizes) - 1 - i for i in b] for b in reverse]
+
+    def one_cap(sizes: list[int], cap: int, first_cap: int) -> list[list[int]]:
+        return exercise.ddp_bucket_plan(sizes, cap, cap)  # ignores the first bucket's cap
+
+    for wrong in (forward_order, one_cap):
+        namespace["ddp_bucket_plan"] = wrong
+        with pytest.raises(AssertionError):
+            exercise.test_ddp_bucket_plan()
