@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mgpu_helpers.devices import full_float32
 from mgpu_helpers.lesson_code import load_lesson_code
 
 LESSON = load_lesson_code(
@@ -94,3 +95,39 @@ def test_fp16_on_the_cpu_needs_the_scaler_for_small_gradients() -> None:
 @pytest.mark.parametrize("dtype", [torch.float16])
 def test_fp16_gets_an_enabled_scaler(dtype: torch.dtype) -> None:
     assert LESSON.amp_scaler(dtype).is_enabled()
+
+
+@pytest.mark.gpu
+def test_autocast_on_the_gpu_stays_close_trains_and_keeps_less_for_backward() -> None:
+    """bf16 from compute capability 8.0 on, else fp16 with the scaler: the lesson's choice."""
+    full_float32()  # the float32 reference without TF32
+    dev = torch.device("cuda:0")
+    names = ["amp_step", "amp_scaler", "amp_gradient", "rel_error"]
+    gpu = load_lesson_code("06", names, {"F": F, "nn": nn, "torch": torch, "amp_device": dev})
+    fp16 = torch.cuda.get_device_capability(dev) < (8, 0)
+    dtype = torch.float16 if fp16 else torch.bfloat16
+    model, x, y = model_and_batch()
+    model, x, y = model.to(dev), x.to(dev), y.to(dev)
+    reference = gpu.amp_gradient(model, x, y, torch.float32)
+    mixed = gpu.amp_gradient(model, x, y, dtype, scale=2.0**16 if fp16 else 1.0)
+    assert gpu.rel_error(mixed, reference) < 0.1
+    optimizer, scaler = torch.optim.SGD(model.parameters(), lr=0.1), gpu.amp_scaler(dtype)
+    assert scaler.is_enabled() == fp16
+    losses = [gpu.amp_step(model, optimizer, scaler, x, y, dtype, 1.0).item() for _ in range(8)]
+    assert losses[-1] < losses[0] - 0.1, "the autocast step should train"
+
+    torch.manual_seed(0)
+    wide = nn.Sequential(
+        nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    ).to(dev)
+    big_x = torch.randn(4096, 256, device=dev)
+    big_y = torch.randint(0, 10, (4096,), device=dev)
+    peaks = {}
+    for kind in (torch.float32, dtype):
+        wide.zero_grad(set_to_none=True)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        gpu.amp_gradient(wide, big_x, big_y, kind)
+        torch.cuda.synchronize(dev)
+        peaks[kind] = torch.cuda.max_memory_allocated(dev)
+    assert peaks[dtype] < peaks[torch.float32], f"peak bytes: {peaks}"

@@ -95,3 +95,25 @@ def test_the_blur_averages_neighbours_and_keeps_a_flat_image() -> None:
     blurred = _box_blur(impulse)
     torch.testing.assert_close(blurred[0, 1:4, 1:4], torch.ones(3, 3))
     assert blurred.sum() == 9.0
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_lessons_loader_pins_and_the_step_gets_device_batches() -> None:
+    dev = torch.device("cuda:0")
+    namespace = {
+        "BATCH_SIZE": 8,
+        "DataLoader": DataLoader,
+        "SEED": 0,
+        "data_device": dev,
+        "synchronize": synchronize,
+        "time": time,
+        "torch": torch,
+    }
+    gpu = load_lesson_code("06", ["data_loader", "data_epoch"], namespace)
+    loader = gpu.data_loader(EncodedImages(20, blur_passes=1), 1)
+    assert loader.pin_memory
+    x, _ = next(iter(loader))
+    assert x.is_pinned(), "pin_memory=True hands out pinned batches"
+    devices = []
+    gpu.data_epoch(loader, lambda x, y: devices.append((x.device, y.device)))
+    assert devices and all(d == (dev, dev) for d in devices)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from mgpu_helpers.devices import full_float32
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.launch import launch
 from mgpu_helpers.lesson_code import load_lesson_code
@@ -41,7 +42,10 @@ def global_batch(world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def accumulation_worker(env: DistEnv) -> dict:
-    model = DDP(small_model(), bucket_cap_mb=0.01)  # 10 kB buckets: several of them
+    full_float32()  # GPUs: no TF32, the comparison is with a float32 CPU computation
+    ids = [env.device.index] if env.device.type == "cuda" else None
+    # 10 kB buckets: several of them
+    model = DDP(small_model().to(env.device), device_ids=ids, bucket_cap_mb=0.01)
     counter = {"all_reduces": 0, "bytes": 0}
     model.register_comm_hook(counter, LESSON.counting_allreduce_hook)
     x, y = global_batch(env.world_size)
@@ -49,7 +53,8 @@ def accumulation_worker(env: DistEnv) -> dict:
     mine = slice(env.rank * per_rank, (env.rank + 1) * per_rank)
     micro = LESSON.split_micro_batches(x[mine], y[mine], K)
     model.zero_grad(set_to_none=True)
-    F.cross_entropy(model(x[mine]), y[mine]).backward()  # first step: DDP then settles its buckets
+    # a first step: DDP then settles its buckets
+    F.cross_entropy(model(x[mine].to(env.device)), y[mine].to(env.device)).backward()
     out = {}
     for name, options in {
         "no_sync": {},
@@ -59,15 +64,14 @@ def accumulation_worker(env: DistEnv) -> dict:
         model.zero_grad(set_to_none=True)
         counter["all_reduces"] = 0
         LESSON.accumulate_gradients(model, micro, **options)
-        out[name] = ([p.grad.clone() for p in model.parameters()], counter["all_reduces"])
+        out[name] = ([p.grad.cpu() for p in model.parameters()], counter["all_reduces"])
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_no_sync_accumulation_equals_the_large_batch(world_size: int) -> None:
-    results = launch(accumulation_worker, world_size, device="cpu", echo=False, timeout=60)
+def check_against_one_process(results: list[dict], world_size: int) -> None:
     model = small_model()
-    F.cross_entropy(model(global_batch(world_size)[0]), global_batch(world_size)[1]).backward()
+    x, y = global_batch(world_size)
+    F.cross_entropy(model(x), y).backward()
     reference = [p.grad for p in model.parameters()]
     buckets = results[0]["no_sync"][1]
     assert buckets >= 2, "the test needs several buckets"
@@ -79,6 +83,23 @@ def test_no_sync_accumulation_equals_the_large_batch(world_size: int) -> None:
         assert r["every"][1] == K * buckets, "without no_sync: one per bucket per micro-batch"
         for g, ref in zip(r["unscaled"][0], reference, strict=True):
             torch.testing.assert_close(g, K * ref, msg="without 1/K the gradient is K times larger")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_no_sync_accumulation_equals_the_large_batch(world_size: int) -> None:
+    results = launch(accumulation_worker, world_size, device="cpu", echo=False, timeout=60)
+    check_against_one_process(results, world_size)
+
+
+@pytest.mark.gpu
+def test_no_sync_accumulation_on_gpus() -> None:
+    """One GPU: 2 ranks share it over gloo; two or more: one per GPU over NCCL (the hook's
+    future holds a list there too)."""
+    world_size = max(2, torch.cuda.device_count())
+    results = launch(
+        accumulation_worker, world_size, device="cuda", share_gpus=True, echo=False, timeout=120
+    )
+    check_against_one_process(results, world_size)
 
 
 @pytest.mark.parametrize("steps", [0, -1, 1.5, True])
