@@ -9,8 +9,8 @@ every world size got its timings. Speed is never asserted here.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -54,7 +54,7 @@ LESSON = load_lesson_code(
         "full_float32": full_float32,
         "mlp": mlp,
         "nn": nn,
-        "nullcontext": nullcontext,
+        "contextlib": contextlib,
         "synchronize": synchronize,
         "time": time,
         "torch": torch,
