@@ -10,8 +10,10 @@ At the end `summary.txt` (also printed) and `summary.json` put every headline nu
 **target** (a limit the course sets for its own code, such as the launcher at most 2x a bare
 fork) or its **ideal** (what the hardware would give with no overhead, such as the bubble
 formula or the memory-copy ceiling). A target is met or missed; an ideal is only approached, so
-its row shows the fraction reached. A benchmark that fails is reported, and the others still run.
-Timings on a busy machine say little: each benchmark warns when its repeats disagree.
+its row shows the fraction reached; a number the course sets no target for on this hardware
+(the hand-built DDP on GPUs) is reported as it is. A benchmark that fails is reported, and the
+others still run. Timings on a busy machine say little: each benchmark warns when its repeats
+disagree.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from matplotlib.figure import Figure
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a source checkout without installing
 
-from mgpu_helpers.plots import plot_micro_batch_sweep  # noqa: E402
+from mgpu_helpers.plots import plot_bandwidth, plot_micro_batch_sweep  # noqa: E402
 from mgpu_helpers.util import write_json  # noqa: E402
 
 BENCHMARKS = ("loop_overhead", "launch_overhead", "pipeline", "ddp_from_scratch", "allreduce")
@@ -45,8 +47,8 @@ class Headline:
     benchmark: str
     what: str
     measured: float
-    reference: float  # the target (an upper limit) or the ideal
-    kind: str  # "target": met when measured <= reference; "ideal": shown as a fraction of it
+    reference: float | None  # the target (an upper limit) or the ideal; None for a report
+    kind: str  # "target": met when measured <= reference; "ideal": a fraction of it; "report"
 
     @property
     def met(self) -> bool | None:
@@ -56,8 +58,10 @@ class Headline:
         if self.kind == "target":
             verdict = "met" if self.met else "NOT met"
             against = f"target <= {self.reference:g}: {verdict}"
-        else:
+        elif self.kind == "ideal":
             against = f"ideal {self.reference:.3g}: {self.measured / self.reference:.0%} of it"
+        else:
+            against = "no target on this hardware"
         return f"{self.benchmark:<17} {self.what:<44} {self.measured:9.3g}   {against}"
 
 
@@ -144,11 +148,47 @@ def _plot_pipeline(r: Mapping) -> Figure:
     )
 
 
+def _ddp_from_scratch(r: Mapping) -> list[Headline]:
+    what = "hand-built DDP / DDP (time per step)"
+    if r["target_applies"]:
+        return [Headline("ddp_from_scratch", what, r["ratio"], r["target"], "target")]
+    return [Headline("ddp_from_scratch", what, r["ratio"], None, "report")]
+
+
+def _plot_ddp_from_scratch(r: Mapping) -> Figure:
+    devices = ", ".join(r["hardware"]["devices"])
+    title = f"DDP against lesson 06's hand-built buckets ({devices})"
+    return _bars(title, r["seconds_per_timing"], f"seconds per {r['steps']} steps")
+
+
+def _allreduce(r: Mapping) -> list[Headline]:
+    best = max(r["sizes"], key=lambda row: row["busbw_bytes_per_s"])
+    what = f"best busbw (GB/s), at {best['bytes'] / 2**20:g} MiB"
+    ceiling = r["ceiling"]["bytes_per_s"] / 1e9
+    return [Headline("allreduce", what, best["busbw_bytes_per_s"] / 1e9, ceiling, "ideal")]
+
+
+def _plot_allreduce(r: Mapping) -> Figure:
+    rows = r["sizes"]
+    return plot_bandwidth(
+        [row["bytes"] for row in rows],
+        {
+            "busbw": [row["busbw_bytes_per_s"] for row in rows],
+            "algbw": [row["algbw_bytes_per_s"] for row in rows],
+        },
+        ceiling=r["ceiling"]["bytes_per_s"],
+        ceiling_label=r["ceiling"]["what"],
+        title=f"all-reduce over {r['world_size']} ranks ({r['backend']})",
+    )
+
+
 Reader = tuple[Callable[[Mapping], list[Headline]], Callable[[Mapping], Figure]]
 READERS: dict[str, Reader] = {
     "loop_overhead": (_loop_overhead, _plot_loop_overhead),
     "launch_overhead": (_launch_overhead, _plot_launch_overhead),
     "pipeline": (_pipeline, _plot_pipeline),
+    "ddp_from_scratch": (_ddp_from_scratch, _plot_ddp_from_scratch),
+    "allreduce": (_allreduce, _plot_allreduce),
 }
 
 
