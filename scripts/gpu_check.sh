@@ -17,7 +17,8 @@
 # Results (everything printed is also kept there; commit the folder):
 #   RESULTS_DIR/steps.txt                 each step's exit status (or "skipped") and seconds
 #   RESULTS_DIR/<step>.txt                each step's output: doctor, lessons, gpu_tests,
-#                                         loop_overhead, launch_overhead, pipeline
+#                                         loop_overhead, launch_overhead, pipeline,
+#                                         ddp_from_scratch, allreduce
 #   RESULTS_DIR/<benchmark>.json          the benchmarks' measurements
 #   RESULTS_DIR/lessons/summary.json      the lessons' mode (kernel or script), the modules this
 #                                         Python has or lacks, and per lesson: status, seconds,
@@ -71,14 +72,22 @@ step lessons "$lessons_limit" "$PY" scripts/lesson_as_script.py run --quick \
   --mode "${LESSON_MODE:-auto}"
 # The test files whose GPU tests need no Jupyter stack (the notebooks run on the CPU in CI).
 step gpu_tests 180 "$PY" -m pytest -p no:cacheprovider -q -rs -m "gpu or multigpu" \
-  tests/test_data_parallel.py tests/test_ddp.py tests/test_devices.py tests/test_doctor.py \
-  tests/test_devices_extra.py tests/test_launch.py tests/test_model_parallel.py \
-  tests/test_timing.py tests/test_train.py
+  tests/test_data_parallel.py tests/test_ddp.py tests/test_ddp_batchnorm.py tests/test_devices.py \
+  tests/test_doctor.py tests/test_devices_extra.py tests/test_launch.py \
+  tests/test_model_parallel.py tests/test_allocator_claims.py tests/test_timing.py \
+  tests/test_train.py tests/test_ddp_by_hand.py tests/test_comm.py tests/test_scaling.py \
+  tests/test_no_sync.py tests/test_amp.py tests/test_loading.py
 step loop_overhead 90 "$PY" benchmarks/loop_overhead.py --out "$out/loop_overhead.json"
 # 3 repeats: the benchmark also times bare spawn (each rank imports torch and starts CUDA again)
 step launch_overhead 90 "$PY" benchmarks/launch_overhead.py --repeats 3 \
   --out "$out/launch_overhead.json"
 step pipeline 90 "$PY" benchmarks/pipeline.py --out "$out/pipeline.json"
+# lesson 06: the hand-built DDP against DDP (one GPU: 2 ranks share it over gloo), and the
+# all-reduce sweep from 1 KiB to 64 MiB (its default on NCCL, 1 GiB, takes longer)
+step ddp_from_scratch 60 "$PY" benchmarks/ddp_from_scratch.py --repeats 5 \
+  --out "$out/ddp_from_scratch.json"
+step allreduce 60 "$PY" benchmarks/allreduce.py --max-mb 64 --repeats 3 \
+  --out "$out/allreduce.json"
 echo "== steps:"
 cat "$out/steps.txt"
 echo "results in $out (status $status, $SECONDS s)"
