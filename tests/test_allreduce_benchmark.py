@@ -9,27 +9,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from benchmark_run import run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "allreduce.py"
 
 
 def run_script(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        cwd=cwd,  # not the repository root: PYTHONPATH alone must find the package
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    # cwd: not the repository root, so PYTHONPATH alone must find the package
+    return run_benchmark("allreduce", *args, cwd=cwd, timeout=timeout)
 
 
 def test_allreduce_benchmark_writes_its_schema(tmp_path: Path) -> None:

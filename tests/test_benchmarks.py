@@ -3,35 +3,23 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmark_run import run_benchmark
 
 
 def test_loop_overhead_quick_prints_a_ratio(tmp_path: Path) -> None:
     out = tmp_path / "loop_overhead.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "loop_overhead.py"),
-            "--quick",
-            "--device",
-            "cpu",
-            "--threads",
-            "1",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
+    proc = run_benchmark(
+        "loop_overhead",
+        "--quick",
+        "--device",
+        "cpu",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
         cwd=tmp_path,  # the script must find the package from anywhere
-        timeout=240,
-        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     assert "ratio fit/minimal = " in proc.stdout

@@ -5,28 +5,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from benchmark_run import run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "ddp_from_scratch.py"
 
 
 def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=env,
-        check=False,
-    )
+    return run_benchmark("ddp_from_scratch", *args, timeout=timeout)
 
 
 def test_quick_run_prints_the_ratio_against_its_target_and_writes_json(tmp_path: Path) -> None:

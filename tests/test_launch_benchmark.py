@@ -9,16 +9,11 @@ tests.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import psutil
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "launch_overhead.py"
+from benchmark_run import run_benchmark
 
 
 def processes_tagged(tag: str) -> list[psutil.Process]:
@@ -36,13 +31,15 @@ def processes_tagged(tag: str) -> list[psutil.Process]:
 def test_launch_overhead_runs_in_quick_mode(tmp_path: Path) -> None:
     out = tmp_path / "launch.json"
     tag = uuid.uuid4().hex  # inherited by every process the script starts
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MGPU_BENCH_TAG": tag}
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--out", str(out)],
+    run = run_benchmark(
+        "launch_overhead",
+        "--quick",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
         cwd=tmp_path,  # not the repository root: PYTHONPATH alone must find the package
-        env=env,
-        capture_output=True,
-        text=True,
+        env={"MGPU_BENCH_TAG": tag},
         timeout=400,
     )
     assert run.returncode == 0, run.stdout + run.stderr
@@ -62,13 +59,13 @@ def test_launch_overhead_runs_in_quick_mode(tmp_path: Path) -> None:
 
 
 def test_launch_overhead_refuses_what_the_hardware_cannot_do(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--device", "cuda"],
+    run = run_benchmark(
+        "launch_overhead",
+        "--quick",
+        "--device",
+        "cuda",
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
+        env={"CUDA_VISIBLE_DEVICES": ""},
         timeout=120,
     )
     assert run.returncode == 2

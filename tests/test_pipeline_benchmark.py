@@ -4,26 +4,17 @@ are asserted: speed belongs in the benchmark, not in the tests)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
+
+from benchmark_run import run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "pipeline.py"
 
 
 def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=env,
-        check=False,
-    )
+    return run_benchmark("pipeline", *args, timeout=timeout)
 
 
 def test_quick_run_prints_ratios_and_writes_json(tmp_path: Path) -> None:

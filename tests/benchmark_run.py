@@ -1,0 +1,35 @@
+"""A benchmark script run as a learner runs it: from the source tree, found through PYTHONPATH."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+__all__ = ["ROOT", "run_benchmark"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_benchmark(
+    name: str,
+    *args: str,
+    cwd: Path = ROOT,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 240,
+) -> subprocess.CompletedProcess:
+    """``python benchmarks/<name>.py *args`` with its output captured; ``env`` adds variables.
+
+    Pass another ``cwd`` than the repository to check that PYTHONPATH alone finds the package.
+    """
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
