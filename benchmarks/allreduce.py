@@ -113,8 +113,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.repeats = 3 if args.quick else 7
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    if args.max_mb is not None and not args.max_mb >= 1 / 1024:
-        parser.error(f"--max-mb {args.max_mb}: the sweep starts at 1 KiB (1/1024 MiB)")
+    if args.max_mb is not None and not args.max_mb >= 2 / 1024:
+        parser.error(
+            f"--max-mb {args.max_mb}: the sweep starts at 1 KiB (1/1024 MiB) and the model's fit "
+            "needs two sizes or more: pass 2/1024 or more (64 shows the bandwidth)"
+        )
     return args
 
 
@@ -211,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     best = max(rows, key=lambda r: r["busbw_bytes_per_s"])
     median_error = None if fit_error else statistics.median(abs(r["model_error"]) for r in rows)
     print(
-        f"\nideal (ceiling): copies of {size_label(copy_bytes)} on {placement.devices[0]}, "
+        f"\nideal (ceiling): copies of {size_label(copy_bytes)} on {result['copy_device']}, "
         f"{ceiling / 1e9:.1f} GB/s "
         f"copied ({2 * ceiling / 1e9:.1f} GB/s read + written)"
     )
@@ -253,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             "busbw_factor": 2 * (n - 1) / n,
             "sizes": rows,
             "ceiling": {
-                "what": f"memory copy of {size_label(copy_bytes)} on {placement.devices[0]}",
+                "what": f"memory copy of {size_label(copy_bytes)} on {result['copy_device']}",
                 "counted": COUNTED,
                 "seconds": list(copy.times),
                 "bytes_per_s": ceiling,

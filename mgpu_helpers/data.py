@@ -216,8 +216,9 @@ class EncodedImages(Dataset):
     which run on the calling thread at this size: the cost per sample does not depend on the
     process's torch threads (conv2d's would, badly so on a busy machine). Items are
     ``(image, label)``, or ``(image, label, index)`` with ``return_index``. It lives in the
-    package because DataLoader workers started with the spawn method (macOS, Windows) import
-    the dataset's class by name, which fails for a class defined in a notebook.
+    package because DataLoader workers started with the spawn method (macOS, Windows) or
+    forkserver (Linux's default from Python 3.14) import the dataset's class by name, which
+    fails for a class defined in a notebook.
     """
 
     def __init__(

@@ -69,6 +69,7 @@ def test_allreduce_benchmark_refuses_what_it_cannot_measure(capsys) -> None:
     assert "more than the" in err and "use --world-size" in err
     assert bench.main(["--device", "cpu", "--world-size", "1"]) == 2
     assert "2 or more ranks" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exit_:
-        bench.main(["--max-mb", "0.0001"])
-    assert exit_.value.code == 2 and "starts at 1 KiB" in capsys.readouterr().err
+    for too_small in ("0.0001", "0.0015"):  # no size at all; only 1 KiB: no fit from one size
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(["--max-mb", too_small])
+        assert exit_.value.code == 2 and "needs two sizes" in capsys.readouterr().err

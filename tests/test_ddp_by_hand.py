@@ -9,6 +9,7 @@ sizes; the MaybeSkip model leaves a layer out of the forward pass on some ranks 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from pathlib import Path
 
@@ -23,17 +24,19 @@ from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.launch import WorkerError, launch
 from mgpu_helpers.lesson_code import load_lesson_code
 from mgpu_helpers.models import mlp
+from mgpu_helpers.placement import place
+from mgpu_helpers.timing import synchronize
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = (
     "WIDTH", "DEPTH", "SEED", "BATCH_SIZE", "BUCKET_CAP_MB",
     "make_model", "make_batch", "MaybeSkip", "DDP_METHODS", "gradients_used_anywhere",
     "allreduce_each", "make_buckets", "allreduce_buckets", "OverlapBuckets", "overlapped",
-    "gradients_worker", "gradients_runs", "same_as_ddp",
+    "gradients_worker", "gradients_runs", "same_as_ddp", "timeline_step",
 )  # fmt: skip
 NAMESPACE = {
     "DDP": DDP, "DistEnv": DistEnv, "F": F, "dist": dist, "functools": functools, "mlp": mlp,
-    "nn": nn, "torch": torch,
+    "nn": nn, "torch": torch, "threading": threading, "time": time, "synchronize": synchronize,
     "IN_FEATURES": 256, "CLASSES": 10,  # the head's `IN_FEATURES, CLASSES = 256, 10`
 }  # fmt: skip
 lesson = load_lesson_code("06", NAMES, NAMESPACE, folder=ROOT / "notebooks")
@@ -58,12 +61,10 @@ def test_the_cap_gives_uneven_buckets_with_a_boundary_inside_a_layer() -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_step_equals_ddp(world_size: int) -> None:
     """Plain model; a layer skipped on some ranks; a layer skipped on every rank."""
-    runs = [
-        {"methods": STEPS, "cap_mb": CAP_MB},
-        {"methods": STEPS, "cap_mb": CAP_MB, "skip_on": (1,)},
-        {"methods": STEPS, "cap_mb": CAP_MB, "skip_on": tuple(range(world_size))},
-    ]
-    per_rank = launch(lesson.gradients_runs, world_size, runs, device="cpu", echo=False, timeout=60)
+    per_rank = launch(
+        lesson.gradients_runs, world_size, skip_runs(world_size), device="cpu", echo=False,
+        timeout=60,
+    )
     plain, some, every = ([mine[k] for mine in per_rank] for k in range(3))
     for results in (plain, some, every):
         for method in ("step 1", "step 2", "step 3"):
@@ -78,6 +79,66 @@ def test_every_step_equals_ddp(world_size: int) -> None:
         assert all(every[rank][m]["grads"][-2] is None for m in STEPS)
     assert every[0]["step 1"]["calls"] == 8  # the unused layer's two tensors are skipped
     assert every[0]["step 2"]["calls"] == len(UNEVEN)  # its bucket ([9, 8]) holds nothing used
+
+
+def skip_runs(world_size: int) -> list[dict]:
+    return [
+        {"methods": STEPS, "cap_mb": CAP_MB},
+        {"methods": STEPS, "cap_mb": CAP_MB, "skip_on": (1,)},
+        {"methods": STEPS, "cap_mb": CAP_MB, "skip_on": tuple(range(world_size))},
+    ]
+
+
+@pytest.mark.gpu
+def test_every_step_equals_ddp_on_ranks_sharing_a_gpu() -> None:
+    """Gloo with CUDA tensors (one GPU, two ranks): the lesson's row for a single GPU."""
+    per_rank = launch(lesson.gradients_runs, place(2, "cuda", share_gpus=True), skip_runs(2),
+                      echo=False, timeout=120)  # fmt: skip
+    for k in range(3):
+        for method in ("step 1", "step 2", "step 3"):
+            lesson.same_as_ddp([mine[k] for mine in per_rank], method)
+
+
+@pytest.mark.multigpu
+def test_every_step_equals_ddp_over_nccl() -> None:
+    """One GPU per rank: NCCL's asynchronous all-reduces on their own stream, waited on."""
+    per_rank = launch(lesson.gradients_runs, place(2, "cuda"), skip_runs(2), echo=False,
+                      timeout=120)  # fmt: skip
+    for k in range(3):
+        for method in ("step 1", "step 2", "step 3"):
+            lesson.same_as_ddp([mine[k] for mine in per_rank], method)
+
+
+def timeline_worker(env: DistEnv) -> tuple[list, list]:
+    NAMESPACE["BUCKET_CAP_MB"] = CAP_MB  # this rank's copy: timeline_step reads it when it runs
+    model = lesson.make_model().to(env.device)
+    x, y = (t.to(env.device) for t in lesson.make_batch(env.rank, 0))
+    return lesson.timeline_step(env, model, x, y)
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        pytest.param(("cpu", False), id="cpu"),
+        pytest.param(("cuda", True), id="shared-gpu", marks=pytest.mark.gpu),
+        pytest.param(("cuda", False), id="nccl", marks=pytest.mark.multigpu),
+    ],
+)
+def test_the_timeline_shows_buckets_launched_during_backward(where: tuple[str, bool]) -> None:
+    """Section 1.5's picture: every bucket but the last leaves before the backward pass ends.
+
+    On GPUs this checks the CUDA-event clock of the compute and the polled completion of the
+    all-reduces: no bar may end before it starts or before its launch was possible."""
+    device, share = where
+    for compute, comm in launch(timeline_worker, place(2, device, share_gpus=share),
+                                echo=False, timeout=120):  # fmt: skip
+        assert [label for label, _, _ in comm] == [f"bucket {b}" for b in range(len(UNEVEN))]
+        assert all(start <= end for _, start, end in compute + comm)
+        backward_start = min(start for _, start, _ in compute)
+        backward_end = max(end for _, _, end in compute)
+        assert all(start >= backward_start for _, start, _ in comm)
+        assert all(start < backward_end for _, start, _ in comm[:-1]), (compute, comm)
+        assert comm[-1][2] >= backward_end - 1e-4  # the last bucket ends after the backward pass
 
 
 def test_a_bucket_cap_that_is_not_positive_is_refused() -> None:
