@@ -153,6 +153,12 @@ class Comparison:
         """True when the rounds agree on which one is faster (sign test, p < 0.1: 5+ rounds)."""
         return self.p_value < 0.1
 
+    def brief(self) -> str:
+        """A table cell (lesson 06): the ratio when it means something, else the rounds' range."""
+        if self.meaningful:
+            return f"{self.median:.2f}x"
+        return f"no verdict ({self.low:.2f}x to {self.high:.2f}x)"
+
     def describe(self, name: str, other: str) -> str:
         """One sentence: the ratio when it means something, else why it does not."""
         rounds = f"{len(self.ratios)} rounds ranged from {self.low:.2f}x to {self.high:.2f}x"

@@ -160,6 +160,7 @@ def test_compare_ratio_and_sign_test():
     assert verdict.p_value == pytest.approx(2 / 32)
     assert verdict.meaningful
     assert verdict.describe("A", "B").startswith("A ran 2.00x as fast as B")
+    assert verdict.brief() == "2.00x"
 
 
 def test_compare_says_when_the_rounds_disagree():
@@ -170,6 +171,7 @@ def test_compare_says_when_the_rounds_disagree():
     text = verdict.describe("DataParallel", "one device")
     assert text.startswith("no measurable difference") and "a ratio would mean nothing" in text
     assert "0.50x to 2.00x" in text
+    assert verdict.brief() == "no verdict (0.50x to 2.00x)"
 
 
 def test_compare_needs_five_rounds_for_a_verdict():
