@@ -33,6 +33,7 @@ lesson = load_lesson_code(
         "busbw",
         "ring_allreduce_seconds",
         "fit_ring_model",
+        "make_buckets",
         "comm_bucket_sizes",
         "predict_allreduce_seconds",
         "two_point_fit",
@@ -223,16 +224,14 @@ def test_the_fit_refuses_what_cannot_be_fitted() -> None:
         lesson.fit_ring_model([1024, 2**20, 2**24], [3e-3, 2e-3, 1e-3], 2)
 
 
-def test_bucket_sizes() -> None:
+def test_bucket_sizes_are_section_1s_whole_parameter_buckets() -> None:
     mib = 2**20
-    assert lesson.comm_bucket_sizes(9 * mib + 8, 4) == [4 * mib, 4 * mib, mib + 8]
-    assert lesson.comm_bucket_sizes(4 * mib, 4) == [4 * mib]
-    assert lesson.comm_bucket_sizes(1024, 25) == [1024]
-    assert lesson.comm_bucket_sizes(3000, 0.001) == [1048, 1048, 904]  # caps round to elements
-    with pytest.raises(ValueError, match="whole number"):
-        lesson.comm_bucket_sizes(4097, 4)
+    params = [torch.zeros(n) for n in (mib // 4, 64, mib // 4, 64)]  # 1 MiB, 256 B, 1 MiB, 256 B
+    assert lesson.comm_bucket_sizes(params, 1) == [mib + 256, mib + 256]  # closes at >= 1 MiB
+    assert lesson.comm_bucket_sizes(params, 25) == [2 * mib + 512]  # all in one
+    assert lesson.comm_bucket_sizes(params, 0.0001) == [256, mib, 256, mib]  # one per parameter
     with pytest.raises(ValueError, match="more than 0 MB"):
-        lesson.comm_bucket_sizes(4096, 0)
+        lesson.comm_bucket_sizes(params, 0)
 
 
 def test_predict_uses_the_fitted_model_for_any_world_size() -> None:
