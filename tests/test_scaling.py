@@ -26,6 +26,7 @@ from mgpu_helpers.launch import launch
 from mgpu_helpers.lesson_code import load_lesson_code
 from mgpu_helpers.models import mlp
 from mgpu_helpers.placement import place
+from mgpu_helpers.progress import progress_bar
 from mgpu_helpers.timing import synchronize
 
 NAMES = [
@@ -54,6 +55,7 @@ LESSON = load_lesson_code(
         "full_float32": full_float32,
         "mlp": mlp,
         "nn": nn,
+        "progress_bar": progress_bar,
         "contextlib": contextlib,
         "synchronize": synchronize,
         "time": time,
