@@ -40,6 +40,7 @@ import platform
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -242,12 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
             "hardware": hardware_as_dict(hardware),
             "load_average": os.getloadavg()[0],
-            "device_type": placement.device_type,
-            "devices": list(placement.devices),
-            "backend": placement.backend,
-            "share_gpus": placement.share_gpus,
-            "threads_per_rank": placement.threads_per_rank,
-            "world_size": n,
+            "placement": asdict(placement),  # where the ranks ran and how they talked
             "dtype": "float32",
             "op": "sum",
             "repeats": args.repeats,

@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import platform
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -50,11 +50,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 # Run from a source checkout without installing: put the repository root on the path.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mgpu_helpers.devices import describe_hardware, hardware_as_dict  # noqa: E402
 from mgpu_helpers.dist_env import DistEnv  # noqa: E402
 from mgpu_helpers.launch import launch  # noqa: E402
 from mgpu_helpers.lesson_code import load_lesson_code  # noqa: E402
 from mgpu_helpers.models import count_parameters, mlp  # noqa: E402
-from mgpu_helpers.placement import place, usable_cpus  # noqa: E402
+from mgpu_helpers.placement import place  # noqa: E402
 from mgpu_helpers.timing import compare, measure_alternating  # noqa: E402
 from mgpu_helpers.util import write_json  # noqa: E402
 
@@ -180,25 +181,6 @@ def worker(env: DistEnv, args: dict, lesson_code: object) -> dict:
     return {"times": times, "max_difference": worst, "buckets": buckets}
 
 
-def hardware(placement) -> dict:
-    """What the numbers were measured on."""
-    gpus = {}
-    if placement.device_type == "cuda":
-        gpus = {d: torch.cuda.get_device_name(torch.device(d)) for d in set(placement.devices)}
-    return {
-        "devices": list(placement.devices),
-        "device_names": gpus,
-        "backend": placement.backend,
-        "world_size": placement.world_size,
-        "threads_per_rank": placement.threads_per_rank,
-        "usable_cpus": usable_cpus(),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     placement = args.placement
@@ -241,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         data = {
             "benchmark": "ddp_from_scratch",
             "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "hardware": hardware(placement),
+            "hardware": hardware_as_dict(describe_hardware()),  # the machine
+            "placement": asdict(placement),  # where the ranks ran and how they talked
             "width": args.width,
             "depth": args.depth,
             "parameters": n_params,

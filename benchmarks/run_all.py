@@ -156,7 +156,7 @@ def _ddp_from_scratch(r: Mapping) -> list[Headline]:
 
 
 def _plot_ddp_from_scratch(r: Mapping) -> Figure:
-    devices = ", ".join(r["hardware"]["devices"])
+    devices = ", ".join(r["placement"]["devices"])
     title = f"DDP against lesson 06's hand-built buckets ({devices})"
     return _bars(title, r["seconds_per_timing"], f"seconds per {r['steps']} steps")
 
@@ -178,7 +178,7 @@ def _plot_allreduce(r: Mapping) -> Figure:
         },
         ceiling=r["ceiling"]["bytes_per_s"],
         ceiling_label=r["ceiling"]["what"],
-        title=f"all-reduce over {r['world_size']} ranks ({r['backend']})",
+        title=f"all-reduce over {r['placement']['world_size']} ranks ({r['placement']['backend']})",
     )
 
 

@@ -32,7 +32,7 @@ def test_allreduce_benchmark_writes_its_schema(tmp_path: Path) -> None:
     assert "busbw GB/s" in run.stdout and "ideal (ceiling): copies of 256 MiB" in run.stdout
     result = json.loads(out.read_text())
     assert result["benchmark"] == "allreduce" and result["quick"] is True
-    assert result["world_size"] == 2 and result["backend"] == "gloo"
+    assert result["placement"]["world_size"] == 2 and result["placement"]["backend"] == "gloo"
     assert result["busbw_factor"] == 1.0 and result["repeats"] == 2
     assert result["hardware"]["torch"] and "cpu_count" in result["hardware"]
     sizes = result["sizes"]

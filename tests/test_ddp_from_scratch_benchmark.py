@@ -30,8 +30,9 @@ def test_quick_run_prints_the_ratio_against_its_target_and_writes_json(tmp_path:
         assert variant in text
     data = json.loads(out.read_text())
     assert data["benchmark"] == "ddp_from_scratch" and data["quick"] is True
-    assert data["hardware"]["backend"] == "gloo" and data["hardware"]["world_size"] == 2
-    assert {"torch", "python", "threads_per_rank", "devices"} <= set(data["hardware"])
+    assert data["placement"]["backend"] == "gloo" and data["placement"]["world_size"] == 2
+    assert {"threads_per_rank", "devices"} <= set(data["placement"])
+    assert {"torch", "python", "cpu_count", "gpus"} <= set(data["hardware"])
     assert set(data["seconds_per_timing"]) == {"DDP", "hand-built", "no communication"}
     assert all(len(t) == data["repeats"] for t in data["seconds_per_timing"].values())
     assert len(data["round_ratios"]) == data["repeats"]
