@@ -11,17 +11,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_overrides_name_settings_that_exist() -> None:
     overrides = json.loads((ROOT / "jupyter" / "overrides.json").read_text())
-    extensions = Path(sys.prefix) / "share" / "jupyter" / "labextensions"
+    share = Path(sys.prefix) / "share" / "jupyter"
     for plugin_id, values in overrides.items():
         package, _, plugin = plugin_id.partition(":")
-        schema_path = extensions / package / "schemas" / package / f"{plugin}.json"
-        assert schema_path.exists(), f"{plugin_id}: no such JupyterLab plugin installed"
+        places = [  # an installed extension's schemas; JupyterLab's own plugins'
+            share / "labextensions" / package / "schemas" / package / f"{plugin}.json",
+            share / "lab" / "schemas" / package / f"{plugin}.json",
+        ]
+        schema_path = next((p for p in places if p.exists()), None)
+        assert schema_path is not None, f"{plugin_id}: no such JupyterLab plugin installed"
         properties = json.loads(schema_path.read_text())["properties"]
         for key, value in values.items():
             assert key in properties, f"{plugin_id} has no setting {key!r}"
             assert isinstance(value, bool) == (properties[key]["type"] == "boolean")
+            allowed = [choice["const"] for choice in properties[key].get("oneOf", [])]
+            assert not allowed or value in allowed, f"{plugin_id}: {key} must be one of {allowed}"
 
 
 def test_widget_state_is_saved_with_the_notebook() -> None:
     overrides = json.loads((ROOT / "jupyter" / "overrides.json").read_text())
     assert overrides["@jupyter-widgets/jupyterlab-manager:plugin"]["saveState"] is True
+
+
+def test_no_news_popup_over_the_lessons() -> None:
+    """JupyterLab's "fetch official Jupyter news?" pop-up covers the corner of cell outputs."""
+    overrides = json.loads((ROOT / "jupyter" / "overrides.json").read_text())
+    assert overrides["@jupyterlab/apputils-extension:notification"]["fetchNews"] == "false"
