@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+import types
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["ROOT", "run_benchmark"]
+__all__ = ["ROOT", "load_benchmark", "run_benchmark"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,3 +35,18 @@ def run_benchmark(
         timeout=timeout,
         check=False,
     )
+
+
+def load_benchmark(name: str) -> types.ModuleType:
+    """benchmarks/<name>.py as a module (its imports and top level run; ``main()`` does not).
+
+    Registered in ``sys.modules`` as ``<name>_benchmark``, so dataclasses defined in it work.
+    """
+    spec = importlib.util.spec_from_file_location(
+        f"{name}_benchmark", ROOT / "benchmarks" / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -7,16 +7,12 @@ it refuses what it cannot measure. No speed is asserted: speed belongs to the be
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
-from benchmark_run import run_benchmark
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "allreduce.py"
+from benchmark_run import load_benchmark, run_benchmark
 
 
 def run_script(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -53,17 +49,8 @@ def test_allreduce_benchmark_writes_its_schema(tmp_path: Path) -> None:
     assert "relative" in model["fit"]
 
 
-def load_benchmark():
-    """The script as a module, for the refusals: they need no processes of their own."""
-    spec = importlib.util.spec_from_file_location("allreduce_benchmark", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_allreduce_benchmark_refuses_what_it_cannot_measure(capsys) -> None:
-    bench = load_benchmark()
+    bench = load_benchmark("allreduce")
     assert bench.main(["--device", "cpu", "--world-size", "512"]) == 2
     err = capsys.readouterr().err
     assert "more than the" in err and "use --world-size" in err

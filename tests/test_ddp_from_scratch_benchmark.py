@@ -3,16 +3,14 @@ asserted: speed belongs in the benchmark, not in the tests)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
-from benchmark_run import run_benchmark
+from benchmark_run import load_benchmark, run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "ddp_from_scratch.py"
 
 
 def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -42,16 +40,8 @@ def test_quick_run_prints_the_ratio_against_its_target_and_writes_json(tmp_path:
     assert sorted(i for b in data["buckets"] for i in b) == list(range(2 * (data["depth"] + 1)))
 
 
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("ddp_from_scratch_benchmark", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)  # loads the lesson's code; main() does not run
-    return benchmark
-
-
 def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    benchmark = _load_benchmark()
+    benchmark = load_benchmark("ddp_from_scratch")
     for args, message in ((["--cap-mb", "0"], "--cap-mb"), (["--ranks", "1"], "at least 2 ranks")):
         with pytest.raises(SystemExit) as stopped:
             benchmark.parse_args(["--quick", *args])
@@ -60,7 +50,7 @@ def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_the_benchmark_runs_lesson_06s_own_code() -> None:
     """OverlapBuckets and make_buckets are written in lesson 06's cells only."""
-    benchmark = _load_benchmark()
+    benchmark = load_benchmark("ddp_from_scratch")
     notebook = str(ROOT / "notebooks" / "06_performance.ipynb")
     assert benchmark.lesson.OverlapBuckets.__module__ == "06_performance"
     assert benchmark.lesson.make_buckets.__code__.co_filename.startswith(notebook)

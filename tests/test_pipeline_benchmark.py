@@ -7,10 +7,9 @@ import json
 import subprocess
 from pathlib import Path
 
-from benchmark_run import run_benchmark
+from benchmark_run import load_benchmark, run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "pipeline.py"
 
 
 def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -51,15 +50,11 @@ def test_three_stages_and_bad_arguments() -> None:
 def test_the_benchmark_runs_lesson_05s_own_code() -> None:
     """The split model and the GPipe step are written in lesson 05's cells only: the benchmark
     loads them from the notebook (as tests/lesson05_code.py does), it holds no copy."""
-    import importlib.util
     import inspect
 
     from lesson05_code import NAMES
 
-    spec = importlib.util.spec_from_file_location("pipeline_benchmark", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)  # loads the lesson's code; main() does not run
+    benchmark = load_benchmark("pipeline")  # loads the lesson's code; main() does not run
     notebook = str(ROOT / "notebooks" / "05_model_parallel.ipynb")
     for name in NAMES:
         defined = getattr(benchmark.lesson, name)

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("run_all", ROOT / "benchmarks" / "run_all.py")
-run_all = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("run_all", run_all)
-_spec.loader.exec_module(run_all)
+from benchmark_run import ROOT, load_benchmark
+
+run_all = load_benchmark("run_all")
 
 
 def test_a_target_is_met_or_missed_and_an_ideal_is_a_fraction() -> None:
