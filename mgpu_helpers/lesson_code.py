@@ -1,8 +1,9 @@
 """Code written in the lessons, read from their notebooks (lessons 03 and later).
 
-Later lessons show it as a diff (lesson 04: its DDP worker against lesson 02's loop), and tests
-and benchmarks run it (:func:`load_lesson_code`), so no copy exists to drift from the lesson.
-Standard library only: the GPU machine runs the tests without Jupyter.
+Later lessons show it as a diff (lesson 04: its DDP worker against lesson 02's loop; lesson 07:
+the course's ``torchrun`` script against lesson 04's worker, through :func:`script_function`),
+and tests and benchmarks run it (:func:`load_lesson_code`), so no copy exists to drift from the
+lesson. Standard library only: the GPU machine runs the tests without Jupyter.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "lesson_function",
     "load_lesson_code",
     "python_only",
+    "script_function",
     "show_diff",
 ]
 
@@ -128,6 +130,29 @@ def _lookup(
 def lesson_function(lesson: str, name: str, folder: str | Path | None = None) -> str:
     """The source of the function ``name`` in ``lesson``'s notebook (lesson 04's diff)."""
     return _lookup(lesson, folder, [name], "function")[1][name].source
+
+
+def script_function(path: str | Path, name: str) -> str:
+    """The source of the top-level function ``name`` in the Python file ``path`` (lesson 07).
+
+    Read with ``ast``, not imported, so the file's imports and side effects never run: lesson 07
+    diffs ``scripts/train_ddp.py``'s ``train_ddp`` against lesson 04's worker this way. Its
+    decorators are included; ValueError names the functions the file defines if ``name`` is
+    not one of them.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no Python file at {path.resolve()}; pass the script's path")
+    text = path.read_text(encoding="utf-8")
+    tree = ast.parse(text, filename=str(path))
+    functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for node in functions:
+        if node.name == name:
+            lines = text.splitlines()
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            return "\n".join(lines[first - 1 : node.end_lineno]) + "\n"
+    defined = ", ".join(n.name for n in functions) or "no top-level function"
+    raise ValueError(f"{path.name} defines no top-level function {name!r}; it defines: {defined}")
 
 
 def _reads(table: symtable.SymbolTable) -> set[str]:

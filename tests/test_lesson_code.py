@@ -14,6 +14,7 @@ from mgpu_helpers.lesson_code import (
     lesson_definitions,
     lesson_function,
     load_lesson_code,
+    script_function,
     show_diff,
 )
 
@@ -174,3 +175,35 @@ def test_limited_context_hides_far_unchanged_lines() -> None:
     after = before.replace("line10\n", "changed\n")
     lines = show_diff(before, after, context=1).text.splitlines()
     assert " line9" in lines and " line11" in lines and " line0" not in lines
+
+
+def test_script_function_reads_a_function_from_a_file_without_running_it(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import no_such_module  # never imported: the file is parsed, not run\n\n\n"
+        "def helper():\n    return 1\n\n\n"
+        "@decorator\ndef train_ddp(env, cfg):\n    '''Doc.'''\n    return cfg\n\n\n"
+        "if __name__ == '__main__':\n    raise SystemExit(1)\n"
+    )
+    source = script_function(script, "train_ddp")
+    assert source == "@decorator\ndef train_ddp(env, cfg):\n    '''Doc.'''\n    return cfg\n"
+    assert script_function(str(script), "helper") == "def helper():\n    return 1\n"
+
+
+def test_script_function_names_what_the_file_defines(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("def main():\n    pass\n\n\ndef parse():\n    pass\n\n\nx = 1\n")
+    missing = r"train\.py defines no top-level function 'train'.*main, parse"
+    with pytest.raises(ValueError, match=missing):
+        script_function(script, "train")
+    with pytest.raises(ValueError, match=r"no Python file at .*missing\.py"):
+        script_function(tmp_path / "missing.py", "train")
+
+
+def test_script_function_diffs_against_a_lesson_function(tmp_path: Path) -> None:
+    _lesson(tmp_path, "04_demo.ipynb", ["def train_ddp(env):\n    x = 1\n    return x\n"])
+    script = tmp_path / "train.py"
+    script.write_text("def train_ddp(env):\n    x = 1\n    save(x)\n    return x\n")
+    lesson = lesson_function("04", "train_ddp", folder=tmp_path)
+    diff = show_diff(lesson, script_function(script, "train_ddp"))
+    assert (diff.added, diff.removed) == (1, 0) and "+    save(x)" in diff.text
