@@ -1,0 +1,342 @@
+"""docs/cloud.md and scripts/slurm/ (lesson 07): what the page says runs, runs.
+
+Every code block of the page carries a comment saying where it runs (``<!-- runs-here -->``,
+``<!-- slow -->``, ``<!-- needs: gpu, internet -->``, ...); an unmarked block fails. Each
+``runs-here`` block is run on this machine (CPU only, no network), among them the SLURM
+rehearsal: the real batch script with stand-ins for ``srun`` and ``scontrol``, training on two
+CPU "nodes". The batch script's requeue trap, its defaults and its refusals are checked with a
+stand-in for Python (no torch), and every option the page and the script give ``torchrun`` or
+``scripts/train_ddp.py`` is checked against their parsers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from torch.distributed.run import get_args_parser
+
+from mgpu_helpers.jobs import JobResult, free_port, run_job
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "cloud.md"
+SLURM = ROOT / "scripts" / "slurm"
+SBATCH = SLURM / "train_ddp.sbatch"
+TRAIN = ROOT / "scripts" / "train_ddp.py"
+NEEDS = {"gpu", "internet", "instance", "cluster", "notebook"}
+MARK = re.compile(r"<!--\s*(runs-here|slow|needs:\s*[a-z]+(?:\s*,\s*[a-z]+)*)\s*-->")
+FENCE = re.compile(r"```(\w*)")
+BLOCK_TIMEOUT = 240  # seconds for one block; the rehearsal takes ~15 s on an idle 2-core machine
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced code block of the page and the comment before it."""
+
+    line: int  # line number of its opening fence (1-based)
+    lang: str  # the fence's language: bash, python, ...
+    code: str
+    mark: str | None  # "runs-here", "slow" or "needs: a, b"; None when the comment is missing
+
+    @property
+    def needs(self) -> set[str]:
+        if not self.mark or not self.mark.startswith("needs:"):
+            return set()
+        return {part.strip() for part in self.mark.removeprefix("needs:").split(",")}
+
+    def __str__(self) -> str:
+        return f"docs/cloud.md line {self.line} ({self.lang or 'no language'})"
+
+
+def read_blocks(text: str) -> list[Block]:
+    """The fenced blocks of a Markdown text, each with the classification comment before it."""
+    lines = text.splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        opening = FENCE.fullmatch(lines[i].strip())
+        if not opening:
+            i += 1
+            continue
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), None)
+        if end is None:
+            raise ValueError(f"line {i + 1}: a code block that is never closed")
+        before = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
+        found = MARK.fullmatch(before)
+        mark = re.sub(r"\s+", " ", found.group(1)) if found else None
+        blocks.append(Block(i + 1, opening.group(1), "\n".join(lines[i + 1 : end]), mark))
+        i = end + 1
+    return blocks
+
+
+BLOCKS = read_blocks(DOC.read_text())
+RUNS_HERE = [b for b in BLOCKS if b.mark == "runs-here"]
+REHEARSAL = next(b for b in RUNS_HERE if "rehearse.sh" in b.code)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without SLURM's variables or the batch script's settings."""
+    settings = {"NPROC_PER_NODE", "DEVICE", "RDZV_HOST", "RDZV_PORT", "RUN_DIR", "COURSE_DIR",
+                "PYTHON", "MAX_RESTARTS", "SNAPSHOT_EVERY", "TRAIN_SCRIPT", "EXTRA_ARGS",
+                "OMP_NUM_THREADS", "NCCL_DEBUG", "REHEARSAL_DIR"}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "SLURMD_", "FAKE_")) and k not in settings}
+    # the course's environment first, as after `source .venv/bin/activate`
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return {**env, **extra}
+
+
+def run_clean(cmd: list[str], env: dict[str, str], *, timeout: float, cwd: Path) -> JobResult:
+    """run_job with exactly ``env`` (run_job adds to this process's environment; ``env -i``
+    starts from nothing, so a variable left out of ``env`` is unset, as when SLURM is absent)."""
+    pairs = [f"{k}={v}" for k, v in {**env, "PYTHONUNBUFFERED": "1"}.items()]
+    return run_job(["env", "-i", *pairs, *cmd], timeout=timeout, cwd=cwd, echo=False)
+
+
+# --- the page's blocks ------------------------------------------------------------------------
+
+
+def test_every_block_says_where_it_runs() -> None:
+    assert RUNS_HERE, "no runs-here block found: the page's commands would go untested"
+    for block in BLOCKS:
+        assert block.mark, (
+            f"{block} has no classification comment on the line before it: add "
+            "<!-- runs-here --> (tests/test_cloud_doc.py runs it), <!-- slow --> or "
+            f"<!-- needs: ... --> with some of {sorted(NEEDS)}"
+        )
+        assert block.needs <= NEEDS, f"{block}: unknown needs {block.needs - NEEDS}"
+        if block.mark == "runs-here":
+            assert block.lang in ("bash", "python"), f"{block}: runs-here blocks are bash or python"
+
+
+def test_an_unmarked_block_is_caught() -> None:
+    text = "<!-- runs-here -->\n```bash\necho hi\n```\n\nSome text.\n```bash\nrm -rf /\n```\n"
+    first, second = read_blocks(text)
+    assert (first.mark, first.code) == ("runs-here", "echo hi")
+    assert second.mark is None and second.line == 7
+    marked = read_blocks("<!--  needs:  gpu ,internet -->\n```python\npass\n```\n")[0]
+    assert marked.needs == {"gpu", "internet"}
+    with pytest.raises(ValueError, match="never closed"):
+        read_blocks("```bash\necho\n")
+
+
+@pytest.fixture(scope="module")
+def run_block(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Block], JobResult]:
+    """Runs a block once, from the course's folder, with the course's Python first on PATH."""
+    results: dict[int, JobResult] = {}
+    folder = tmp_path_factory.mktemp("cloud-doc")
+
+    def run(block: Block) -> JobResult:
+        if block.line not in results:
+            if block.lang == "python":
+                script = folder / f"block{block.line}.py"
+                script.write_text(block.code + "\n")
+                cmd = [sys.executable, str(script)]
+            else:
+                cmd = ["bash", "-euo", "pipefail", "-c", block.code]
+            env = clean_env(REHEARSAL_DIR=str(folder / "rehearsal"), RDZV_PORT=str(free_port()),
+                            FAKE_TIME_LIMIT=str(BLOCK_TIMEOUT - 40))
+            results[block.line] = run_clean(cmd, env, timeout=BLOCK_TIMEOUT, cwd=ROOT)
+        return results[block.line]
+
+    run.rehearsal_dir = folder / "rehearsal"  # type: ignore[attr-defined]
+    return run
+
+
+@pytest.mark.parametrize("block", RUNS_HERE, ids=[f"line{b.line}" for b in RUNS_HERE])
+def test_runs_here_block_runs(block: Block, run_block: Callable[[Block], JobResult]) -> None:
+    result = run_block(block)
+    assert result.ok, f"{block} exited with {result.returncode}:\n{result.tail()}"
+
+
+def test_doctor_block_reports_ok(run_block: Callable[[Block], JobResult]) -> None:
+    block = next(b for b in RUNS_HERE if "tooling.cli doctor" in b.code)
+    assert "status: ok" in run_block(block).output
+
+
+def test_requirement_check_finds_nothing_missing_here(
+    run_block: Callable[[Block], JobResult],
+) -> None:
+    """The hosted-notebook check against this course's .venv, which has every requirement."""
+    block = next(b for b in RUNS_HERE if "requirements.txt" in b.code)
+    output = run_block(block).output
+    assert "nothing to install" in output, output
+    assert "torch " in output and "the platform's own" in output
+
+
+def test_slurm_rehearsal_trains_on_two_nodes(run_block: Callable[[Block], JobResult]) -> None:
+    """The real batch script, two "nodes" of one CPU worker each: a 2-rank job with a result."""
+    result = run_block(REHEARSAL)
+    assert result.ok, result.tail()
+    lines = result.output.splitlines()
+    assert "0: node 0 is 127.0.0.1: starting torchrun" in lines, result.tail()
+    assert "1: node 1 is localhost: starting torchrun" in lines, result.tail()
+    assert "srun ended with status 0" in lines
+    out = run_block.rehearsal_dir  # type: ignore[attr-defined]
+    data = json.loads((out / "result.json").read_text())
+    assert (data["world_size"], data["backend"], data["restart_count"]) == (2, "gloo", 0)
+    assert data["history"]["epoch"] == [1] and data["snapshots_written"] >= 1
+    assert (out / "snapshot.pt").is_file() and (out / "model.pt").is_file()
+
+
+# --- the batch script alone: a stand-in Python, so no torch starts -----------------------------
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+echo "fake python: OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset} NCCL_DEBUG=${NCCL_DEBUG:-unset} $*"
+for _ in $(seq 400); do [ -e "$STOP_FILE" ] && exit 0; sleep 0.05; done
+exit 3
+"""
+
+
+def _submit_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """A job as SLURM would start it: 2 nodes, 'a100:4' GPUs and 8 cores each, from a course
+    folder in tmp_path whose training script is a stand-in, with a stand-in Python."""
+    course = tmp_path / "course"
+    (course / "scripts").mkdir(parents=True)
+    (course / "scripts" / "train_ddp.py").write_text("")
+    fake_python = tmp_path / "python"
+    fake_python.write_text(FAKE_PYTHON)
+    fake_python.chmod(0o755)
+    env = clean_env(
+        PATH=f"{SLURM / 'fake'}{os.pathsep}{clean_env()['PATH']}",
+        SLURM_JOB_ID="4242", SLURM_JOB_NAME="mgpu-ddp", SLURM_JOB_NUM_NODES="2",
+        SLURM_JOB_NODELIST="127.0.0.1,localhost", SLURM_GPUS_PER_NODE="a100:4",
+        SLURM_CPUS_PER_TASK="8", SLURM_SUBMIT_DIR=str(course), PYTHON=str(fake_python),
+        FAKE_SLURM_LOG=str(tmp_path / "slurm.log"), STOP_FILE=str(tmp_path / "stop"),
+        EXTRA_ARGS="--epochs 2 --amp", FAKE_TIME_LIMIT="60",
+    )
+    return {**env, **extra}
+
+
+def _lines(stream, into: queue.Queue[str]) -> None:
+    for raw in iter(stream.readline, b""):
+        into.put(raw.decode(errors="replace").rstrip("\n"))
+
+
+def _wait_for(lines: queue.Queue[str], seen: list[str], test: Callable[[], bool], what: str,
+              timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not test():
+        try:
+            seen.append(lines.get(timeout=max(0.01, min(0.2, deadline - time.monotonic()))))
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} within {timeout:g} s; output:\n" +
+                                     "\n".join(seen)) from None
+
+
+def test_sbatch_command_line_and_requeue_on_usr1(tmp_path: Path) -> None:
+    """The torchrun line it builds from SLURM's variables, and USR1 (the --signal warning before
+    the time limit) making it ask SLURM to requeue the job while it keeps waiting for srun."""
+    env = _submit_env(tmp_path)
+    proc = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True)
+    reader.start()
+    seen: list[str] = []
+    log = tmp_path / "slurm.log"
+    try:
+        both = lambda: sum("fake python:" in line for line in seen) == 2  # noqa: E731
+        _wait_for(lines, seen, both, "output from both nodes' stand-in Python")
+        proc.send_signal(signal.SIGUSR1)
+        requeued = lambda: log.exists() and "requeue 4242" in log.read_text()  # noqa: E731
+        _wait_for(lines, seen, requeued, "'scontrol requeue 4242'")
+        (tmp_path / "stop").touch()  # the job's steps end; the script must have kept waiting
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    reader.join(timeout=5)
+    while not lines.empty():
+        seen.append(lines.get())
+    text = "\n".join(seen)
+    run = tmp_path / "course" / "runs" / "slurm" / "mgpu-ddp"
+    expected = (
+        "fake python: OMP_NUM_THREADS=2 NCCL_DEBUG=WARN -m torch.distributed.run --nnodes=2 "
+        "--nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29742 "
+        f"--rdzv-id=4242 --max-restarts=3 scripts/train_ddp.py --device auto --snapshot "
+        f"{run}/snapshot.pt --snapshot-every 0 --out {run} --epochs 2 --amp"
+    )
+    assert f"0: {expected}" in seen and f"1: {expected}" in seen, text
+    assert "time limit near: requeueing job 4242" in text
+    assert "srun ended with status 0" in text
+    assert run.is_dir()
+
+
+@pytest.mark.parametrize(
+    ("unset", "extra", "message"),
+    [
+        ("SLURM_JOB_ID", {}, "not inside a SLURM job"),
+        ("SLURM_GPUS_PER_NODE", {}, "ask for GPUs with --gpus-per-node=N, or set NPROC_PER_NODE"),
+        ("", {"NPROC_PER_NODE": "two"}, "cannot tell how many workers"),
+        ("", {"COURSE_DIR": "/nonexistent-course"}, "COURSE_DIR=/nonexistent-course is not"),
+        ("", {"TRAIN_SCRIPT": "scripts/missing.py"}, "scripts/missing.py not found"),
+    ],
+)
+def test_sbatch_refuses_what_it_cannot_run(
+    tmp_path: Path, unset: str, extra: dict[str, str], message: str
+) -> None:
+    env = _submit_env(tmp_path, **extra)
+    env.pop(unset, None)
+    result = run_clean(["bash", str(SBATCH)], env, timeout=30, cwd=tmp_path)
+    assert result.returncode == 2, result.output
+    assert message in result.output, result.output
+
+
+# --- options the page and the script use exist -------------------------------------------------
+
+
+def _logical_lines(code: str) -> list[str]:
+    return code.replace("\\\n", " ").splitlines()
+
+
+def _options(text: str) -> set[str]:
+    return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text))
+
+
+def test_torchrun_and_script_options_exist() -> None:
+    torchrun_opts = set(get_args_parser()._option_string_actions)
+    script_opts = set(re.findall(r'"(--[a-z][a-z0-9-]*)"', TRAIN.read_text()))
+    pairs = []  # (where, text given to torchrun, text given to the script)
+    for block in BLOCKS:
+        for line in _logical_lines(block.code):
+            if "train_ddp.py" in line and ("torchrun" in line or "torch.distributed.run" in line):
+                launcher, _, script = line.partition("train_ddp.py")
+                pairs.append((str(block), launcher.split("torchrun", 1)[-1], script))
+    for line in _logical_lines(SBATCH.read_text()):
+        if "torch.distributed.run" in line:
+            launcher, _, script = line.partition('"$TRAIN_SCRIPT"')
+            pairs.append(("train_ddp.sbatch", launcher.split("torch.distributed.run")[1], script))
+    assert len(pairs) >= 3, pairs
+    for where, launcher, script in pairs:
+        assert _options(launcher) <= torchrun_opts, (where, _options(launcher) - torchrun_opts)
+        assert _options(script) <= script_opts, (where, _options(script) - script_opts)
+
+
+def test_paths_the_page_names_exist() -> None:
+    named = set(re.findall(r"(?<![\w/.-])(?:scripts|docs|tests)/[\w./-]*[\w/]", DOC.read_text()))
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, f"docs/cloud.md names files that do not exist: {missing}"
+
+
+def test_shell_scripts_pass_shellcheck() -> None:
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (bash -n runs as one of the page's blocks)")
+    scripts = [SBATCH, SLURM / "rehearse.sh", SLURM / "fake" / "scontrol"]
+    result = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout
