@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import get_args_parser
 
-from mgpu_helpers.jobs import JobResult, free_port, run_job
+from mgpu_helpers.jobs import JobResult, free_port, run_job, run_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "cloud.md"
@@ -132,58 +132,62 @@ def test_an_unmarked_block_is_caught() -> None:
 
 
 @pytest.fixture(scope="module")
-def run_block(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Block], JobResult]:
-    """Runs a block once, from the course's folder, with the course's Python first on PATH."""
-    results: dict[int, JobResult] = {}
-    folder = tmp_path_factory.mktemp("cloud-doc")
+def doc_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the blocks' scripts and the rehearsal's results go."""
+    return tmp_path_factory.mktemp("cloud-doc")
 
-    def run(block: Block) -> JobResult:
-        if block.line not in results:
-            if block.lang == "python":
-                script = folder / f"block{block.line}.py"
-                script.write_text(block.code + "\n")
-                cmd = [sys.executable, str(script)]
-            else:
-                cmd = ["bash", "-euo", "pipefail", "-c", block.code]
-            env = clean_env(REHEARSAL_DIR=str(folder / "rehearsal"), RDZV_PORT=str(free_port()),
-                            FAKE_TIME_LIMIT=str(BLOCK_TIMEOUT - 40))
-            results[block.line] = run_clean(cmd, env, timeout=BLOCK_TIMEOUT, cwd=ROOT)
-        return results[block.line]
 
-    run.rehearsal_dir = folder / "rehearsal"  # type: ignore[attr-defined]
-    return run
+@pytest.fixture(scope="module")
+def doc_runs(doc_folder: Path) -> dict[int, JobResult]:
+    """Every runs-here block, run once from the course's folder with the course's Python first
+    on PATH, all at the same time (the short ones fit in the rehearsal's waits); by line."""
+    folder = doc_folder
+    env = clean_env(REHEARSAL_DIR=str(folder / "rehearsal"), RDZV_PORT=str(free_port()),
+                    FAKE_TIME_LIMIT=str(BLOCK_TIMEOUT - 40))
+    pairs = [f"{k}={v}" for k, v in {**env, "PYTHONUNBUFFERED": "1"}.items()]
+    cmds = []
+    for block in RUNS_HERE:
+        if block.lang == "python":
+            script = folder / f"block{block.line}.py"
+            script.write_text(block.code + "\n")
+            cmd = [sys.executable, str(script)]
+        else:
+            cmd = ["bash", "-euo", "pipefail", "-c", block.code]
+        cmds.append(["env", "-i", *pairs, *cmd])  # exactly env: no SLURM variable leaks in
+    results = run_jobs(cmds, timeout=BLOCK_TIMEOUT, cwd=ROOT, echo=False)
+    return {block.line: result for block, result in zip(RUNS_HERE, results, strict=True)}
 
 
 @pytest.mark.parametrize("block", RUNS_HERE, ids=[f"line{b.line}" for b in RUNS_HERE])
-def test_runs_here_block_runs(block: Block, run_block: Callable[[Block], JobResult]) -> None:
-    result = run_block(block)
+def test_runs_here_block_runs(block: Block, doc_runs: dict[int, JobResult]) -> None:
+    result = doc_runs[block.line]
     assert result.ok, f"{block} exited with {result.returncode}:\n{result.tail()}"
 
 
-def test_doctor_block_reports_ok(run_block: Callable[[Block], JobResult]) -> None:
+def test_doctor_block_reports_ok(doc_runs: dict[int, JobResult]) -> None:
     block = next(b for b in RUNS_HERE if "tooling.cli doctor" in b.code)
-    assert "status: ok" in run_block(block).output
+    assert "status: ok" in doc_runs[block.line].output
 
 
-def test_requirement_check_finds_nothing_missing_here(
-    run_block: Callable[[Block], JobResult],
-) -> None:
+def test_requirement_check_finds_nothing_missing_here(doc_runs: dict[int, JobResult]) -> None:
     """The hosted-notebook check against this course's .venv, which has every requirement."""
     block = next(b for b in RUNS_HERE if "requirements.txt" in b.code)
-    output = run_block(block).output
+    output = doc_runs[block.line].output
     assert "nothing to install" in output, output
     assert "torch " in output and "the platform's own" in output
 
 
-def test_slurm_rehearsal_trains_on_two_nodes(run_block: Callable[[Block], JobResult]) -> None:
+def test_slurm_rehearsal_trains_on_two_nodes(
+    doc_runs: dict[int, JobResult], doc_folder: Path
+) -> None:
     """The real batch script, two "nodes" of one CPU worker each: a 2-rank job with a result."""
-    result = run_block(REHEARSAL)
+    result = doc_runs[REHEARSAL.line]
     assert result.ok, result.tail()
     lines = result.output.splitlines()
     assert "0: node 0 is 127.0.0.1: starting torchrun" in lines, result.tail()
     assert "1: node 1 is localhost: starting torchrun" in lines, result.tail()
     assert "srun ended with status 0" in lines
-    out = run_block.rehearsal_dir  # type: ignore[attr-defined]
+    out = doc_folder / "rehearsal"
     data = json.loads((out / "result.json").read_text())
     assert (data["world_size"], data["backend"], data["restart_count"]) == (2, "gloo", 0)
     assert data["history"]["epoch"] == [1] and data["snapshots_written"] >= 1
