@@ -684,8 +684,6 @@ def torchrun_hint(argv: list[str]) -> str:
 @record  # an exception in a rank reaches torchrun's error summary with its traceback
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    # torchrun passes its workers' output through a pipe or a file: whole lines as they come
-    sys.stdout.reconfigure(line_buffering=True)
     args = parse_args(argv)
     if not all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         raise SystemExit(
@@ -693,6 +691,8 @@ def main(argv: list[str] | None = None) -> None:
             "MASTER_ADDR and MASTER_PORT, which torchrun sets. Start it with torchrun:\n  "
             + torchrun_hint(argv)
         )
+    if isinstance(sys.stdout, io.TextIOWrapper):  # output to a pipe or file: whole lines now
+        sys.stdout.reconfigure(line_buffering=True)
     env = DistEnv.from_environ(args.device)  # the one placement decision: device and backend
     cfg = apply_quick(
         LessonConfig(
