@@ -198,6 +198,7 @@ def test_slurm_rehearsal_trains_on_two_nodes(
 
 FAKE_PYTHON = """#!/usr/bin/env bash
 echo "fake python: OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset} NCCL_DEBUG=${NCCL_DEBUG:-unset} $*"
+[ "${SLURM_NODEID:-}" = "${FAIL_NODE:-none}" ] && exit 5
 for _ in $(seq 400); do [ -e "$STOP_FILE" ] && exit 0; sleep 0.05; done
 exit 3
 """
@@ -279,6 +280,16 @@ def test_sbatch_command_line_and_requeue_on_usr1(tmp_path: Path) -> None:
     assert "time limit near: requeueing job 4242" in text
     assert "srun ended with status 0" in text
     assert run.is_dir()
+
+
+def test_a_failing_node_stops_the_job(tmp_path: Path) -> None:
+    """Node 1's torchrun fails while node 0's would wait for it: srun's --kill-on-bad-exit stops
+    node 0 at once (the stand-in does as SLURM does), and the job fails with node 1's status."""
+    env = _submit_env(tmp_path, FAIL_NODE="1")
+    result = run_clean(["bash", str(SBATCH)], env, timeout=60, cwd=tmp_path)
+    assert result.returncode == 5, result.output
+    assert "a task exited with status 5: stopping the others" in result.output
+    assert result.seconds < 30, f"node 0 was not stopped promptly ({result.seconds:.0f} s)"
 
 
 @pytest.mark.parametrize(
