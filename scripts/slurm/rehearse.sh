@@ -8,14 +8,15 @@
 # (scripts/slurm/fake/): the "nodes" are two names for this machine (127.0.0.1 and localhost),
 # srun starts one torchrun per node at once and labels their lines "0: " and "1: ", and the two
 # agents meet on 127.0.0.1 as they would on the first node of a real job. Everything lands in
-# REHEARSAL_DIR (default build/slurm-rehearsal, emptied first): snapshot.pt, result.json,
-# model.pt. FAKE_TIME_LIMIT (default 300 s) stops a rehearsal that hangs, as --time would.
+# REHEARSAL_DIR (default build/slurm-rehearsal): snapshot.pt, result.json, model.pt; those of
+# an earlier rehearsal are deleted first, so that it starts afresh instead of resuming.
+# FAKE_TIME_LIMIT (default 300 s) stops a rehearsal that hangs, as --time would.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 out=${REHEARSAL_DIR:-$root/build/slurm-rehearsal}
-rm -rf "$out"
 mkdir -p "$out"
+rm -f "$out"/snapshot.pt "$out"/snapshot.pt.* "$out"/result.json "$out"/model.pt
 
 # The batch script's own choice of Python (the course's .venv when there is one).
 if [ -z "${PYTHON:-}" ]; then
