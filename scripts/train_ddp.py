@@ -33,6 +33,7 @@ Under SLURM, ``scripts/slurm/`` holds an sbatch script that starts one ``torchru
 Started without ``torchrun`` (``python scripts/train_ddp.py``), the script says how to start it.
 """
 
+# ruff: noqa: E501  (train_ddp keeps lesson 04's lines as the notebook has them)
 from __future__ import annotations
 
 import argparse
@@ -74,19 +75,8 @@ evaluate_distributed = lesson_04.evaluate_distributed
 
 SNAPSHOT_VERSION = 1  # bumped when the snapshot's layout changes
 # The settings a snapshot must share with the run that resumes from it; epochs may grow.
-MUST_MATCH = (
-    "dataset",
-    "model",
-    "batch_size",
-    "lr",
-    "momentum",
-    "seed",
-    "train_samples",
-    "test_samples",
-    "augment",
-    "amp",
-    "sync_bn",
-)
+MUST_MATCH = ("dataset", "model", "batch_size", "lr", "momentum", "seed", "train_samples",
+              "test_samples", "augment", "amp", "sync_bn")
 METRICS = ("epoch", "train_loss", "train_acc", "test_loss", "test_acc")  # history kept and shown
 
 
@@ -162,19 +152,8 @@ def train_ddp(env: DistEnv, cfg: LessonConfig, run: RunOptions) -> dict[str, Any
             # right after a step: every N steps, and after the epoch's last (before evaluating)
             if snapshot_due(run, step, samples == sampler.num_samples):
                 state = {"epoch": epoch, "position": samples * env.world_size, "step": step}
-                save_snapshot(
-                    run.snapshot,
-                    env,
-                    cfg,
-                    run,
-                    state,
-                    model.module,
-                    optimizer,
-                    scaler,
-                    sums,
-                    samples,
-                    history,
-                )
+                save_snapshot(run.snapshot, env, settings(cfg, run), state, model.module,
+                              optimizer, scaler, sums, samples, history)
                 written += 1
         dist.all_reduce(sums)  # the sums over all ranks, on every rank; waits for the slowest
         samples *= env.world_size  # the sampler gives every rank as many samples: the total
@@ -184,7 +163,7 @@ def train_ddp(env: DistEnv, cfg: LessonConfig, run: RunOptions) -> dict[str, Any
         test = evaluate_distributed(model, test_loader, device)  # each test sample counted once
         history.append(epoch + 1, result, test)
         if env.is_main:
-            print(f"epoch {epoch + 1}: train loss {result.loss:.4f}, test accuracy {test.accuracy:.3f}")  # noqa: E501
+            print(f"epoch {epoch + 1}: train loss {result.loss:.4f}, test accuracy {test.accuracy:.3f}")
     outcome = run_result(env, cfg, run, snap, step, history, written)
     if env.is_main and run.out is not None:  # every rank holds the same weights: one writes them
         write_outputs(run.out, model.module, outcome)
@@ -274,20 +253,8 @@ def maybe_die(env: DistEnv, run: RunOptions) -> None:
 def settings(cfg: LessonConfig, run: RunOptions) -> dict[str, Any]:
     """The run's configuration as plain values (in snapshots and result.json)."""
     values = asdict(cfg)
-    keep = (
-        "dataset",
-        "model",
-        "batch_size",
-        "epochs",
-        "lr",
-        "momentum",
-        "seed",
-        "quick",
-        "train_samples",
-        "test_samples",
-        "augment",
-        "world_size",
-    )
+    keep = ("dataset", "model", "batch_size", "epochs", "lr", "momentum", "seed", "quick",
+            "train_samples", "test_samples", "augment", "world_size")
     return {**{k: values[k] for k in keep}, "amp": run.amp, "sync_bn": run.sync_bn}
 
 
@@ -321,8 +288,7 @@ def set_rng_states(ranks: list[dict[str, Any]], env: DistEnv) -> None:
 def save_snapshot(
     path: Path,
     env: DistEnv,
-    cfg: LessonConfig,
-    run: RunOptions,
+    config: dict[str, Any],
     state: dict[str, int],
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -333,8 +299,8 @@ def save_snapshot(
 ) -> None:
     """Every rank sends rank 0 its RNG states and running sums; rank 0 writes the snapshot.
 
-    A collective (every rank calls it). ``state``: epoch (from 0), position (global samples of
-    the epoch done) and step (optimizer steps done).
+    A collective (every rank calls it). ``config``: the run's settings; ``state``: epoch (from
+    0), position (global samples of the epoch done) and step (optimizer steps done).
     """
     mine = {"rng": rng_states(env.device), "sums": sums.detach().cpu(), "samples": samples}
     ranks = [None] * env.world_size if env.is_main else None
@@ -343,7 +309,7 @@ def save_snapshot(
         return  # no barrier: nobody reads the file now; the next all-reduce waits for rank 0
     snapshot = {
         "version": SNAPSHOT_VERSION,
-        "settings": settings(cfg, run),
+        "settings": config,
         "world_size": env.world_size,
         **state,
         "model": model.state_dict(),
@@ -377,6 +343,8 @@ def write_atomically(path: Path, snapshot: dict[str, Any]) -> None:
         folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
             os.fsync(folder)
+        except OSError:
+            pass  # some network file systems refuse it; the renames are still atomic
         finally:
             os.close(folder)
 
@@ -406,12 +374,12 @@ def probe(path: Path) -> tuple[dict[str, Any] | None, bytes | None, list[str]]:
         notes.append(f"{tmp} is a leftover of an interrupted write: ignored and removed")
         tmp.unlink(missing_ok=True)
     for candidate in (path, sibling(path, ".prev")):
-        if not candidate.exists():
-            continue
-        data = candidate.read_bytes()
         try:
+            data = candidate.read_bytes()
             snap = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             check_layout(snap)
+        except FileNotFoundError:
+            continue  # not there (or, on shared storage, another node moved it aside just now)
         except Exception as exc:  # truncated zip, bad pickle, wrong contents: all unusable
             aside = sibling(candidate, ".corrupt")
             try:
@@ -428,19 +396,8 @@ def probe(path: Path) -> tuple[dict[str, Any] | None, bytes | None, list[str]]:
 
 def check_layout(snap: object) -> None:
     """Raise ValueError unless ``snap`` is a snapshot this script wrote (probe's test)."""
-    needed = {
-        "version",
-        "settings",
-        "world_size",
-        "epoch",
-        "position",
-        "step",
-        "model",
-        "optimizer",
-        "scaler",
-        "history",
-        "ranks",
-    }
+    needed = {"version", "settings", "world_size", "epoch", "position", "step", "model",
+              "optimizer", "scaler", "history", "ranks"}
     if not isinstance(snap, dict) or not needed <= snap.keys():
         raise ValueError("not a snapshot of scripts/train_ddp.py (keys missing)")
     if snap["version"] != SNAPSHOT_VERSION:
@@ -711,6 +668,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             f"train_ddp.py: --batch-size {cfg.batch_size} is not a multiple of the world size "
             f"{env.world_size}; pick a global batch that splits evenly over the ranks"
+        )
+    if args.kill_rank is not None and not 0 <= args.kill_rank < env.world_size:
+        raise SystemExit(
+            f"train_ddp.py: --kill-rank {args.kill_rank} is not a rank of this job; "
+            f"choose 0..{env.world_size - 1}"
         )
     if args.sync_bn and env.device.type != "cuda":
         raise SystemExit("train_ddp.py: --sync-bn needs GPUs (SyncBatchNorm); drop it on CPUs")
