@@ -61,7 +61,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: F401  (lesson 04 reads both)
 
-from mgpu_helpers.config import DATASETS, MODELS, LessonConfig, apply_quick
+from mgpu_helpers.config import DATASETS, MODELS, LessonConfig, apply_quick, course_root
 from mgpu_helpers.data import build_datasets, make_loader
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.lesson_code import load_lesson_code
@@ -70,7 +70,8 @@ from mgpu_helpers.timing import synchronize
 from mgpu_helpers.train import EpochResult, History, seed_everything
 
 # Lesson 04's own evaluation, read from its notebook: one copy of it exists, the lesson's.
-lesson_04 = load_lesson_code("04", ["real_samples", "evaluate_distributed"], globals())
+NOTEBOOKS = course_root() / "notebooks"  # the course's, wherever the script is started from
+lesson_04 = load_lesson_code("04", ["real_samples", "evaluate_distributed"], globals(), NOTEBOOKS)
 evaluate_distributed = lesson_04.evaluate_distributed
 
 SNAPSHOT_VERSION = 1  # bumped when the snapshot's layout changes
@@ -272,7 +273,12 @@ def rng_states(device: torch.device) -> dict[str, Any]:
 
 
 def set_rng_states(ranks: list[dict[str, Any]], env: DistEnv) -> None:
-    """Give this rank its generators back, if the snapshot has one entry per rank as now."""
+    """Give this rank its generators back, if the snapshot has one entry per rank as now.
+
+    Called after the resumed epoch's iterator exists (creating it draws from the global RNG).
+    DataLoader workers (CIFAR-10 on GPUs) draw their augmentation from seeds of their own,
+    which this does not restore: such a run resumes the data order, not the augmentation.
+    """
     if len(ranks) != env.world_size:
         return  # another world size: no state to give (resume_epoch said so)
     states = ranks[env.rank]["rng"]
@@ -553,73 +559,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="Start it with torchrun, e.g. torchrun --standalone --nproc-per-node=2 "
         "scripts/train_ddp.py --epochs 2 --snapshot /tmp/snap.pt --out /tmp/run",
     )
-    parser.add_argument("--dataset", choices=DATASETS, default="digits")
-    parser.add_argument("--model", choices=MODELS, default="auto")
-    parser.add_argument(
-        "--batch-size", type=int, default=64, help="global batch, split over the ranks (default 64)"
-    )
-    parser.add_argument("--epochs", type=int, default=5, help="default 5")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
-    parser.add_argument("--seed", type=int, default=0, help="default 0")
+    add = parser.add_argument
+    add("--dataset", choices=DATASETS, default="digits")
+    add("--model", choices=MODELS, default="auto")
+    add("--batch-size", type=int, default=64, help="global batch, split over the ranks (64)")
+    add("--epochs", type=int, default=5, help="passes over the training set (5)")
+    add("--lr", type=float, default=0.05, help="SGD learning rate (0.05)")
+    add("--seed", type=int, default=0, help="seed of the weights and the data order (0)")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--quick",
-        dest="quick",
-        action="store_true",
-        default=None,
-        help="cap epochs and samples (default: $MGPU_QUICK)",
-    )
+    mode.add_argument("--quick", dest="quick", action="store_true", default=None,
+                      help="cap epochs and samples (default: as $MGPU_QUICK says)")
     mode.add_argument("--full", dest="quick", action="store_false", help="no caps")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=120,
-        help="seconds a collective may wait for a missing rank (default 120)",
-    )
-    parser.add_argument(
-        "--amp",
-        action="store_true",
-        help="mixed precision: bf16 where supported, else fp16 + GradScaler",
-    )
-    parser.add_argument(
-        "--sync-bn", action="store_true", help="SyncBatchNorm, as lesson 04 (GPUs only)"
-    )
-    parser.add_argument(
-        "--snapshot",
-        type=Path,
-        default=None,
-        help="snapshot file (default: none: no snapshots, no resume)",
-    )
-    parser.add_argument(
-        "--snapshot-every",
-        type=int,
-        default=0,
-        metavar="N",
-        help="also snapshot every N optimizer steps (default 0: each epoch's end only)",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="rank 0 writes DIR/result.json and DIR/model.pt at the end",
-    )
-    parser.add_argument(
-        "--kill-at-step",
-        type=int,
-        default=None,
-        metavar="S",
-        help="fault injection: on the first attempt, rank --kill-rank dies "
-        "(SIGKILL) right before global step S (steps count from 0)",
-    )
-    parser.add_argument(
-        "--kill-rank",
-        type=int,
-        default=None,
-        metavar="R",
-        help="the rank --kill-at-step kills (default: the last)",
-    )
+    add("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    add("--timeout", type=float, default=120, help="seconds a collective may wait (120)")
+    add("--amp", action="store_true", help="bf16 autocast where supported, else fp16 + GradScaler")
+    add("--sync-bn", action="store_true", help="SyncBatchNorm, as in lesson 04 (GPUs only)")
+    add("--snapshot", type=Path, metavar="PATH", help="snapshot file (none: no snapshots)")
+    add("--snapshot-every", type=int, default=0, metavar="N",
+        help="also snapshot every N optimizer steps (0: after each epoch's last step only)")
+    add("--out", type=Path, metavar="DIR", help="rank 0 writes DIR/result.json and DIR/model.pt")
+    add("--kill-at-step", type=int, metavar="S",
+        help="fault injection: on the first attempt, rank --kill-rank dies (SIGKILL) right "
+        "before global step S, steps counted from 0")
+    add("--kill-rank", type=int, metavar="R", help="the rank --kill-at-step kills (the last)")
     args = parser.parse_args(argv)
     for name in ("batch_size", "epochs"):
         if getattr(args, name) < 1:
