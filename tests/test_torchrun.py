@@ -133,6 +133,7 @@ def test_resume_on_two_nodes_without_shared_storage(runs):
             sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={job_id}",
             "--rdzv-conf=join_timeout=30",  # a missing agent fails the job in 30 s, not 10 min
+            "--local-addr=127.0.0.1",  # this "node"'s address for the others: loopback here
             str(SCRIPT), *QUICK, "--epochs", "2", "--snapshot", str(folder / "snap.pt"),
             "--out", str(out),
         ]  # fmt: skip
