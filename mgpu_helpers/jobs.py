@@ -137,7 +137,12 @@ def run_jobs(
         for proc in procs:
             _stop(proc)
         raise RuntimeError(f"could not start {' '.join(cmd)}: {exc}") from None
-    outputs, ended = _stream(procs, list(prefixes), start + timeout, echo)
+    try:
+        outputs, ended = _stream(procs, list(prefixes), start + timeout, echo)
+    except BaseException:  # the notebook's stop button (KeyboardInterrupt) stops the jobs too
+        for proc in procs:
+            _stop(proc)
+        raise
     results = []
     late = [i for i, proc in enumerate(procs) if i not in ended]
     for proc in procs:
@@ -213,7 +218,10 @@ def _stream(
 
 def _stop(proc: subprocess.Popen) -> None:
     """Stop ``proc`` and everything it started: SIGTERM to its process group (torchrun then
-    stops its workers), SIGKILL to every process of the tree after a short grace."""
+    stops its workers), SIGKILL to every process of the tree after a short grace (the tree is
+    read from /proc on Linux; elsewhere only the process group is killed)."""
+    if proc.poll() is not None:
+        return
     tree = _descendants(proc.pid)  # before anything exits: torchrun's workers have own sessions
     _signal_group(proc.pid, signal.SIGTERM)
     try:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from mgpu_helpers import jobs
 from mgpu_helpers.jobs import JobResult, free_port, run_job, run_jobs
 
 PY = sys.executable
@@ -112,3 +113,17 @@ def test_free_port_can_be_bound():
     assert 1024 <= port < 65536
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_an_interrupt_stops_the_jobs(monkeypatch):
+    started = []
+
+    def interrupted(procs, *args):
+        started.extend(p.pid for p in procs)
+        raise KeyboardInterrupt  # as the notebook's stop button does while output streams
+
+    monkeypatch.setattr(jobs, "_stream", interrupted)
+    sleep = [PY, "-c", "import time; time.sleep(60)"]
+    with pytest.raises(KeyboardInterrupt):
+        run_jobs([sleep, sleep], timeout=60)
+    assert len(started) == 2 and not any(_alive(pid) for pid in started)
