@@ -177,6 +177,16 @@ def test_requirement_check_finds_nothing_missing_here(doc_runs: dict[int, JobRes
     assert "torch " in output and "the platform's own" in output
 
 
+def test_requirement_check_runs_from_the_notebooks_folder(doc_folder: Path) -> None:
+    """The hosted-notebook cell runs after the first cell's os.chdir into notebooks/."""
+    block = next(b for b in RUNS_HERE if "requirements.txt" in b.code)
+    script = doc_folder / "requirements_check_from_notebooks.py"
+    script.write_text(block.code + "\n")
+    result = run_clean([sys.executable, str(script)], clean_env(), timeout=60,
+                       cwd=ROOT / "notebooks")
+    assert result.ok and "nothing to install" in result.output, result.output
+
+
 def test_slurm_rehearsal_trains_on_two_nodes(
     doc_runs: dict[int, JobResult], doc_folder: Path
 ) -> None:
@@ -241,10 +251,12 @@ def _wait_for(lines: queue.Queue[str], seen: list[str], test: Callable[[], bool]
                                      "\n".join(seen)) from None
 
 
-def test_sbatch_command_line_and_requeue_on_usr1(tmp_path: Path) -> None:
+@pytest.mark.parametrize("refused", [False, True], ids=["requeued", "requeue-refused"])
+def test_sbatch_command_line_and_requeue_on_usr1(tmp_path: Path, refused: bool) -> None:
     """The torchrun line it builds from SLURM's variables, and USR1 (the --signal warning before
-    the time limit) making it ask SLURM to requeue the job while it keeps waiting for srun."""
-    env = _submit_env(tmp_path)
+    the time limit) making it ask SLURM to requeue the job while it keeps waiting for srun; a
+    requeue the cluster refuses must not end the batch shell (set -e) and its step with it."""
+    env = _submit_env(tmp_path, FAKE_REQUEUE_FAILS="1" if refused else "0")
     proc = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)
@@ -278,6 +290,7 @@ def test_sbatch_command_line_and_requeue_on_usr1(tmp_path: Path) -> None:
     )
     assert f"0: {expected}" in seen and f"1: {expected}" in seen, text
     assert "time limit near: requeueing job 4242" in text
+    assert ("scontrol requeue 4242 failed" in text) == refused, text
     assert "srun ended with status 0" in text
     assert run.is_dir()
 
