@@ -150,7 +150,7 @@ def test_resume_on_two_nodes_without_shared_storage(runs):
 
 def test_partial_snapshot_falls_back_to_prev_without_a_crash_loop(runs):
     """A snapshot cut short (a copy or a disk that failed mid-way), a valid .prev and the temp
-    file of a killed write: moved aside, never read, resumed from .prev; no restart used."""
+    file of a killed write; two restarts allowed, which a crash loop would use up."""
     folder = runs["tmp"] / "partial"
     folder.mkdir()
     whole = (runs["one"] / "snap.pt").read_bytes()
@@ -223,6 +223,8 @@ def test_probe_decisions(script, tmp_path):
 
 
 def test_config_mismatch_is_refused_naming_the_field(script):
+    # in-process: under torchrun this is the same function on every rank, after the ranks
+    # agreed on the snapshot (the runs above go through that part)
     env = DistEnv(0, 0, 2, torch.device("cpu"), "gloo")
     snap = fake_snapshot(script, 16)
     now = {**snap["settings"], "epochs": 5}  # epochs may grow
