@@ -71,12 +71,13 @@ step lessons "$lessons_limit" "$PY" scripts/lesson_as_script.py run --quick \
   --out "$out/lessons" --timeout "$lesson_timeout" --total "$((lessons_limit - 25))" \
   --mode "${LESSON_MODE:-auto}"
 # The test files whose GPU tests need no Jupyter stack (the notebooks run on the CPU in CI).
-step gpu_tests 180 "$PY" -m pytest -p no:cacheprovider -q -rs -m "gpu or multigpu" \
+step gpu_tests 210 "$PY" -m pytest -p no:cacheprovider -q -rs -m "gpu or multigpu" \
   tests/test_data_parallel.py tests/test_ddp.py tests/test_ddp_batchnorm.py tests/test_devices.py \
   tests/test_doctor.py tests/test_devices_extra.py tests/test_launch.py \
   tests/test_model_parallel.py tests/test_allocator_claims.py tests/test_timing.py \
   tests/test_train.py tests/test_ddp_by_hand.py tests/test_comm.py tests/test_scaling.py \
-  tests/test_no_sync.py tests/test_amp.py tests/test_loading.py
+  tests/test_no_sync.py tests/test_amp.py tests/test_loading.py \
+  tests/test_torchrun_gpu.py  # lesson 07: scripts/train_ddp.py under torchrun, a rank killed
 step loop_overhead 90 "$PY" benchmarks/loop_overhead.py --out "$out/loop_overhead.json"
 # 3 repeats: the benchmark also times bare spawn (each rank imports torch and starts CUDA again)
 step launch_overhead 90 "$PY" benchmarks/launch_overhead.py --repeats 3 \
