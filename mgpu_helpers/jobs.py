@@ -12,6 +12,7 @@ it the same way.
 from __future__ import annotations
 
 import codecs
+import math
 import os
 import selectors
 import signal
@@ -107,8 +108,8 @@ def run_jobs(
     """
     if not cmds:
         raise ValueError("run_jobs needs at least one command")
-    if not timeout or timeout <= 0:
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if not timeout or not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
     if prefixes is None:
         prefixes = [f"[node {i}] " for i in range(len(cmds))] if len(cmds) > 1 else [""]
     if len(prefixes) != len(cmds):
@@ -148,10 +149,14 @@ def run_jobs(
     for proc in procs:
         if proc.poll() is None:
             _stop(proc)
-        proc.wait()
+        try:  # bounded: a process stuck in the kernel (a hung file system) outlives SIGKILL
+            proc.wait(timeout=_GRACE)
+        except subprocess.TimeoutExpired:
+            pass
     for i, proc in enumerate(procs):
         seconds = ended.get(i, time.perf_counter()) - start
-        results.append(JobResult(lines[i], proc.returncode, "".join(outputs[i]), seconds))
+        code = -signal.SIGKILL if proc.returncode is None else proc.returncode  # still dying
+        results.append(JobResult(lines[i], code, "".join(outputs[i]), seconds))
     if late:
         which = "; ".join(f"{' '.join(lines[i])}:\n{results[i].tail()}" for i in late)
         raise TimeoutError(

@@ -4,8 +4,12 @@
 the lines a job on a cluster needs: it takes snapshots as it trains (model, optimizer, grad
 scaler, epoch, position in the epoch, step, running metrics, history and every rank's random
 number generators), and a restarted job resumes from the newest one, so that it ends exactly
-where an uninterrupted run would (bitwise, on the CPU). Lesson 07 shows it as a diff against
-lesson 04's worker; the snapshot machinery sits in small functions around it.
+where an uninterrupted run would: bitwise on the CPU with two ranks. With three or more, the
+weights agree to the last bits only: DDP reorders its gradient buckets after a process's first
+step, so the first step after a restart all-reduces in the initial order, and gloo's ring adds
+three or more values in an order that depends on where a value sits in its bucket (two values
+add alike in either order). Lesson 07 shows it as a diff against lesson 04's worker; the
+snapshot machinery sits in small functions around it.
 
 One machine, two processes (``--standalone``: the agent finds a free port itself)::
 
@@ -48,7 +52,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +96,7 @@ class RunOptions:
     sync_bn: bool  # SyncBatchNorm, as lesson 04's sync_bn (GPUs only)
     kill_at_step: int | None  # fault injection: a rank dies right before this global step
     kill_rank: int  # ... this rank
+    restarts: int = 0  # torchrun's restarts before this attempt, the most any node's agent counts
 
 
 # --- the worker: lesson 04's train_ddp plus the snapshot lines ----------------------------------
@@ -219,8 +224,21 @@ def autocast_dtype(device: torch.device) -> torch.dtype:
 
 
 def restart_count() -> int:
-    """How many times torchrun restarted the group before this attempt (0: the first)."""
+    """How many times this node's torchrun agent restarted the group before this attempt."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def job_restarts(env: DistEnv) -> int:
+    """The job's restarts before this attempt: the largest count of any node's agent.
+
+    Each agent counts only the failures it saw itself, and a restart for a new node counts
+    nowhere (torch.distributed.elastic: "TE does not synchronize number of restarts between
+    agents"). A node whose ranks merely waited may still say 0 after another node's rank died.
+    A collective: every rank calls it and gets the same answer.
+    """
+    count = torch.tensor([restart_count()], device=env.device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
 
 
 def warn_if_store_shared() -> None:
@@ -240,9 +258,9 @@ def warn_if_store_shared() -> None:
 
 
 def maybe_die(env: DistEnv, run: RunOptions) -> None:
-    """--kill-at-step: on the first attempt only, rank --kill-rank dies of SIGKILL (a real
+    """--kill-at-step: on the job's first attempt only, rank --kill-rank dies of SIGKILL (a real
     process death: no exception, no cleanup), so torchrun must notice and restart the group."""
-    if env.rank == run.kill_rank and restart_count() == 0:
+    if env.rank == run.kill_rank and run.restarts == 0:
         print(
             f"rank {env.rank}: SIGKILL to myself before step {run.kill_at_step} (--kill-at-step)",
             flush=True,
@@ -305,26 +323,28 @@ def save_snapshot(
 ) -> None:
     """Every rank sends rank 0 its RNG states and running sums; rank 0 writes the snapshot.
 
-    A collective (every rank calls it). ``config``: the run's settings; ``state``: epoch (from
-    0), position (global samples of the epoch done) and step (optimizer steps done).
+    A collective (every rank calls it), which returns once the snapshot is on disk: a rank that
+    went on at once could die in its next step while rank 0 still writes, and torchrun would
+    stop rank 0 mid-write, losing this snapshot. ``config``: the run's settings; ``state``:
+    epoch (from 0), position (global samples of the epoch done) and step (optimizer steps done).
     """
     mine = {"rng": rng_states(env.device), "sums": sums.detach().cpu(), "samples": samples}
     ranks = [None] * env.world_size if env.is_main else None
     dist.gather_object(mine, ranks, dst=0)  # rank 0 gets every rank's entry, in rank order
-    if not env.is_main:
-        return  # no barrier: nobody reads the file now; the next all-reduce waits for rank 0
-    snapshot = {
-        "version": SNAPSHOT_VERSION,
-        "settings": config,
-        "world_size": env.world_size,
-        **state,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scaler": scaler.state_dict(),  # {} when disabled
-        "history": {k: v for k, v in history.as_dict().items() if k in METRICS},
-        "ranks": ranks,
-    }
-    write_atomically(path, snapshot)
+    if env.is_main:
+        snapshot = {
+            "version": SNAPSHOT_VERSION,
+            "settings": config,
+            "world_size": env.world_size,
+            **state,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scaler": scaler.state_dict(),  # {} when disabled
+            "history": {k: v for k, v in history.as_dict().items() if k in METRICS},
+            "ranks": ranks,
+        }
+        write_atomically(path, snapshot)
+    dist.barrier()  # outside the if: no rank goes on before the snapshot is complete
 
 
 def write_atomically(path: Path, snapshot: dict[str, Any]) -> None:
@@ -372,7 +392,8 @@ def probe(path: Path) -> tuple[dict[str, Any] | None, bytes | None, list[str]]:
     Looks at ``PATH``, then ``PATH.prev``. A file that does not load (truncated, corrupt, not a
     snapshot) is renamed to ``<file>.corrupt``, so that a restart does not trip over it again,
     and the next candidate is tried. A leftover ``PATH.tmp`` (a write that was killed) is never
-    read; it is removed.
+    read; it is removed. A file that cannot be read at all (permissions, a failing disk) is no
+    proof of a bad snapshot: that is an error, and the file stays where it is.
     """
     notes = []
     tmp = sibling(path, ".tmp")
@@ -386,18 +407,30 @@ def probe(path: Path) -> tuple[dict[str, Any] | None, bytes | None, list[str]]:
             check_layout(snap)
         except FileNotFoundError:
             continue  # not there (or, on shared storage, another node moved it aside just now)
+        except OSError as exc:
+            raise RuntimeError(
+                f"train_ddp.py: cannot read {candidate} ({exc.strerror or exc}); fix its "
+                "permissions or storage, or move it away to start without it"
+            ) from exc
         except Exception as exc:  # truncated zip, bad pickle, wrong contents: all unusable
-            aside = sibling(candidate, ".corrupt")
-            try:
-                os.replace(candidate, aside)
-            except OSError:
-                aside = candidate  # read-only folder: it stays (and is skipped again)
             reason = str(exc).strip().split(". ")[0] or type(exc).__name__  # its first sentence
-            notes.append(f"{candidate} is unreadable ({reason}); moved aside to {aside}")
+            notes.append(f"{candidate} is unreadable ({reason}); {move_aside(candidate)}")
             continue
         summary = {key: snap[key] for key in ("epoch", "position", "step")}
         return {**summary, "path": str(candidate), "node": node_name()}, data, notes
     return None, None, notes
+
+
+def move_aside(candidate: Path) -> str:
+    """Rename an unusable snapshot to ``<file>.corrupt``; what happened, for the note."""
+    aside = sibling(candidate, ".corrupt")
+    try:
+        os.replace(candidate, aside)
+    except FileNotFoundError:  # shared storage: another node's probe moved it first
+        return f"another node moved it aside to {aside}"
+    except OSError:
+        return "left in place (its folder is read-only) and skipped"
+    return f"moved aside to {aside}"
 
 
 def check_layout(snap: object) -> None:
@@ -470,9 +503,11 @@ def refuse_if_different(
     if why is not None and env.local_rank != 0:
         raise SystemExit(1)
     if why is not None:
+        retries = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+        again = f" (torchrun's --max-restarts={retries} retries refuse alike)" if retries else ""
         raise SystemExit(
             f"train_ddp.py: cannot resume from {path}: {why}. Start this configuration with "
-            "another --snapshot path, or delete the snapshot (and its .prev) to start afresh."
+            f"another --snapshot path, or delete the snapshot (and its .prev) to start afresh{again}."
         )
 
 
@@ -503,7 +538,7 @@ def resume_epoch(
     if env.is_main:
         print(
             f"the snapshot was taken by {len(ranks)} ranks, this run has {env.world_size}: "
-            "random generators start afresh"
+            "the random generators are not restored"
         )
     total = sum(r["sums"] for r in ranks) if env.is_main else torch.zeros(2)
     return total.to(env.device), snap["position"] // env.world_size
@@ -534,7 +569,7 @@ def run_result(
         "world_size": env.world_size,
         "backend": env.backend,
         "device": str(env.device),
-        "restart_count": restart_count(),
+        "restart_count": run.restarts,
         "resumed_from": resumed,
         "steps": step,
         "history": {k: v for k, v in history.as_dict().items() if k in METRICS},
@@ -638,7 +673,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     if args.sync_bn and env.device.type != "cuda":
         raise SystemExit("train_ddp.py: --sync-bn needs GPUs (SyncBatchNorm); drop it on CPUs")
-    run = RunOptions(
+    run = RunOptions(  # restarts: counted once the group exists
         snapshot=args.snapshot,
         snapshot_every=args.snapshot_every,
         out=args.out,
@@ -655,10 +690,11 @@ def main(argv: list[str] | None = None) -> None:
         device_id=env.device if env.backend == "nccl" else None,  # binds NCCL to this GPU
     )
     try:
+        run = replace(run, restarts=job_restarts(env))
         if env.is_main:
             print(
                 f"{env.world_size} ranks, backend {env.backend}, rank 0 on {env.device}, "
-                f"attempt {restart_count() + 1}"
+                f"attempt {run.restarts + 1}"
             )
             warn_if_store_shared()
         train_ddp(env, cfg, run)

@@ -100,6 +100,8 @@ def test_clear_errors_for_bad_arguments():
         run_jobs([], timeout=1)
     with pytest.raises(ValueError, match="timeout"):
         run_job([PY, "-V"], timeout=0)
+    with pytest.raises(ValueError, match="finite"):  # no bound is no timeout
+        run_job([PY, "-V"], timeout=float("inf"))
     with pytest.raises(ValueError, match="prefixes"):
         run_jobs([[PY, "-V"], [PY, "-V"]], timeout=5, prefixes=["a"])
     with pytest.raises(ValueError, match="empty command"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import random
 import shutil
 import sys
@@ -168,6 +169,37 @@ def test_partial_snapshot_falls_back_to_prev_without_a_crash_loop(runs):
     assert differing(runs["ref"], folder) == []
 
 
+def test_augmented_data_resumes_bitwise(tmp_path_factory):
+    """CIFAR-10 (small files made here) on the CPU: random crops and flips draw from each
+    rank's global random generator, which the snapshot must give back. The digits runs above
+    draw nothing at random, so they would pass even if it did not."""
+    from fake_data import write_cifar10, write_md5_bypass
+
+    tmp = tmp_path_factory.mktemp("cifar")
+    write_cifar10(tmp / "data", per_batch=13, n_test=20, learnable=True)  # 65 training images
+    site = write_md5_bypass(tmp / "site").parent  # the made-up files pass torchvision's check
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH", "")]))
+    env = {**ENV, "MGPU_DATA": str(tmp / "data"), "PYTHONPATH": path}
+    # 2 ranks x 8 images: 5 steps an epoch; snapshots at steps 3, 5 (epoch 1's end) and 6
+    args = ["--dataset", "cifar10", "--batch-size", "16", "--epochs", "2"]
+    ref, out = tmp / "ref", tmp / "killed"
+    jobs = run_jobs(
+        [
+            torchrun(*args, "--out", str(ref)),
+            torchrun(*args, "--snapshot", str(out / "snap.pt"), "--snapshot-every", "3",
+                     "--kill-at-step", "7", "--out", str(out), restarts=1),
+        ],
+        timeout=TIMEOUT,
+        env=env,
+        cwd=ROOT,
+        echo=False,
+    )  # fmt: skip
+    assert result_of(ref, jobs[0])["config"]["augment"], "CIFAR-10 without its augmentation"
+    result = result_of(out, jobs[1])
+    assert result["restart_count"] == 1 and result["resumed_from"]["step"] == 6
+    assert differing(ref, out) == [], "the restarted job draws other crops and flips"
+
+
 # --- without torchrun: the script's functions ----------------------------------------------------
 @pytest.fixture(scope="module")
 def script() -> types.ModuleType:
@@ -222,7 +254,17 @@ def test_probe_decisions(script, tmp_path):
     assert script.probe(path)[0] is None and not path.exists()
 
 
-def test_config_mismatch_is_refused_naming_the_field(script):
+def test_unreadable_snapshot_is_an_error_and_stays(script, tmp_path):
+    path = tmp_path / "snap.pt"
+    path.mkdir()  # no file to read, as with no read permission or a failing disk
+    with pytest.raises(RuntimeError, match="cannot read .*snap.pt"):
+        script.probe(path)
+    assert path.is_dir() and not (tmp_path / "snap.pt.corrupt").exists()
+    # shared storage: another node's probe renamed the same bad file a moment earlier
+    assert "another node moved it aside" in script.move_aside(tmp_path / "gone.pt")
+
+
+def test_config_mismatch_is_refused_naming_the_field(script, monkeypatch):
     # in-process: under torchrun this is the same function on every rank, after the ranks
     # agreed on the snapshot (the runs above go through that part)
     env = DistEnv(0, 0, 2, torch.device("cpu"), "gloo")
@@ -234,6 +276,9 @@ def test_config_mismatch_is_refused_naming_the_field(script):
         script.refuse_if_different(snap, {**now, "lr": 0.1}, Path("s.pt"), env)
     with pytest.raises(SystemExit, match="past --epochs 1"):
         script.refuse_if_different({**snap, "epoch": 1}, {**now, "epochs": 1}, Path("s.pt"), env)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")  # every attempt refuses: say so
+    with pytest.raises(SystemExit, match=r"--max-restarts=3 retries refuse alike"):
+        script.refuse_if_different(snap, {**now, "lr": 0.1}, Path("s.pt"), env)
     other_rank = DistEnv(1, 1, 2, torch.device("cpu"), "gloo")
     with pytest.raises(SystemExit) as quiet:  # one message per node, the others exit quietly
         script.refuse_if_different(snap, {**now, "amp": True}, Path("s.pt"), other_rank)
