@@ -262,7 +262,7 @@ def maybe_die(env: DistEnv, run: RunOptions) -> None:
     process death: no exception, no cleanup), so torchrun must notice and restart the group."""
     if env.rank == run.kill_rank and run.restarts == 0:
         print(
-            f"rank {env.rank}: SIGKILL to myself before step {run.kill_at_step} (--kill-at-step)",
+            f"rank {env.rank}: SIGKILL to myself after {run.kill_at_step} optimizer steps (--kill-at-step)",
             flush=True,
         )
         os.kill(os.getpid(), signal.SIGKILL)
@@ -614,8 +614,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also snapshot every N optimizer steps (0: after each epoch's last step only)")
     add("--out", type=Path, metavar="DIR", help="rank 0 writes DIR/result.json and DIR/model.pt")
     add("--kill-at-step", type=int, metavar="S",
-        help="fault injection: on the first attempt, rank --kill-rank dies (SIGKILL) right "
-        "before global step S, steps counted from 0")
+        help="fault injection: on the first attempt, rank --kill-rank dies (SIGKILL) after "
+        "S optimizer steps of the run, before the next one")
     add("--kill-rank", type=int, metavar="R", help="the rank --kill-at-step kills (the last)")
     args = parser.parse_args(argv)
     for name in ("batch_size", "epochs"):

@@ -109,7 +109,7 @@ def killed(runs) -> tuple[Path, JobResult]:
 def test_killed_rank_restarts_and_ends_bitwise_equal(runs, killed):
     out, job = killed
     result = result_of(out, job)
-    assert "SIGKILL to myself before step 23" in job.output
+    assert "SIGKILL to myself after 23 optimizer steps" in job.output
     assert result["restart_count"] == 1
     # the last snapshot before the kill: step 20, 4 of epoch 2's 16 steps of 64 samples
     assert result["resumed_from"]["step"] == 20 and result["resumed_from"]["epoch"] == 2
