@@ -7,9 +7,6 @@ QUICK_FLAG := $(if $(filter 1 true yes,$(QUICK)),--quick,)
 # make course PARAMS="EPOCHS=1 DATASET=digits" ONLY="00 02": one --param per NAME=VALUE word.
 PARAM_FLAGS := $(foreach p,$(PARAMS),--param $(p))
 ONLY_FLAG  := $(if $(ONLY),--only $(ONLY),)
-# No byte-compiling of every installed file up front (torch alone has thousands; about 40 s of
-# CPU on 2 cores): Python compiles what is imported, once, on first use.
-PIP_FLAGS := --no-compile
 # nbgrader 0.9 for the autograding test, in its own environment (not in requirements.txt).
 GRADING       := .venv-grading
 GRADING_STAMP := $(GRADING)/.installed
@@ -21,8 +18,8 @@ ROOT_FLAG  := $(if $(filter 0,$(shell id -u)),--allow-root,)
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --upgrade pip
-	$(BIN)/pip install $(PIP_FLAGS) -r requirements-dev.txt
-	$(BIN)/pip install $(PIP_FLAGS) --no-deps -e .
+	$(BIN)/pip install -r requirements-dev.txt
+	$(BIN)/pip install --no-deps -e .
 	touch $(STAMP)
 
 # JupyterLab defaults for the course: widget state saved with the notebook, so sliders still
@@ -41,7 +38,7 @@ course: $(STAMP)  ## run every lesson headless (QUICK=1, PARAMS="EPOCHS=1 ...", 
 
 $(GRADING_STAMP):
 	test -x $(GRADING)/bin/python || $(PYTHON) -m venv $(GRADING)
-	$(GRADING)/bin/pip install $(PIP_FLAGS) "nbgrader==0.9.*"
+	$(GRADING)/bin/pip install "nbgrader==0.9.*"
 	touch $(GRADING_STAMP)
 
 grading-env: $(GRADING_STAMP)  ## nbgrader 0.9 in .venv-grading (make test uses it)
