@@ -1,7 +1,8 @@
 """Measuring and planning model parallelism (lesson 05; the benchmark and lesson 09 reuse it).
 
 Lesson 05 writes the split model and the GPipe step in its cells; this module keeps what is
-around them: a thread per stage, timelines and idle shares, where to cut, memory per device.
+around them: a thread per stage, timelines and idle shares, where to cut. Memory per device
+and per stage is counted in :mod:`mgpu_helpers.memory`, which lesson 08 shares.
 """
 
 from __future__ import annotations
@@ -27,10 +28,7 @@ __all__ = [
     "forward_overlap",
     "idle_fraction",
     "layer_costs",
-    "memory_by_device",
-    "memory_by_stage",
     "run_stages",
-    "saved_activation_bytes",
 ]
 
 
@@ -79,103 +77,6 @@ def balance(costs: Sequence[float], n_stages: int) -> list[int]:
         return min(options, key=lambda option: option[0])
 
     return list(best(n_stages, n)[1])
-
-
-_KINDS = ("parameters", "gradients", "optimizer", "activations")
-
-
-def _memory(module: nn.Module, slots: int, saved: dict[str, int]) -> dict[str, dict[str, int]]:
-    """Bytes of each kind per device: the model's state from tensor sizes, plus ``saved``."""
-    report: dict[str, dict[str, int]] = {}
-    for p in module.parameters():
-        size = p.numel() * p.element_size()
-        row = report.setdefault(str(p.device), dict.fromkeys(_KINDS, 0))
-        row["parameters"] += size
-        row["gradients"] += size  # a gradient is as large as its parameter
-        row["optimizer"] += slots * size  # optimizer state tensors per parameter
-    for device, size in saved.items():  # activations
-        report.setdefault(device, dict.fromkeys(_KINDS, 0))["activations"] += size
-    return report
-
-
-def memory_by_device(
-    model: nn.Module, optimizer_slots: int = 1, sample: Tensor | None = None
-) -> dict[str, dict[str, int]]:
-    """Bytes of parameters, gradients, optimizer state and activations on each device (lesson 05).
-
-    ``optimizer_slots``: state tensors per parameter (1 for SGD with momentum, 2 for Adam).
-    Activations are what autograd saves for backward in one forward of ``sample``
-    (:func:`saved_activation_bytes`), so the output and the loss are not counted.
-    """
-    activations = {} if sample is None else saved_activation_bytes(model, sample)
-    return _memory(model, optimizer_slots, activations)
-
-
-def memory_by_stage(
-    stages: Sequence[nn.Module],
-    devices: Sequence[torch.device | str],
-    optimizer_slots: int = 1,
-    sample: Tensor | None = None,
-) -> list[dict[str, int]]:
-    """One :func:`memory_by_device` row per stage of a split model (lesson 05, section 2.1).
-
-    Each stage counts as if it had a device of its own, so stages sharing a device are told
-    apart, and a stage whose first layer saves its input counts the copy that crossed the cut.
-    """
-    if len(stages) != len(devices) or not stages:
-        raise ValueError(f"need one device per stage, got {len(stages)} and {len(devices)}")
-    saved = [{}] * len(stages) if sample is None else _saved_by_stage(stages, devices, sample)
-    per_device = [_memory(m, optimizer_slots, a) for m, a in zip(stages, saved, strict=True)]
-    return [{key: sum(row[key] for row in m.values()) for key in _KINDS} for m in per_device]
-
-
-def saved_activation_bytes(model: nn.Module, sample: Tensor) -> dict[str, int]:
-    """Bytes of the tensors autograd saves for backward in a forward of ``sample``, per device.
-
-    Lesson 05, section 2. Each storage counts once (a ReLU's output that the next Linear saves
-    too, a view), parameters, buffers and ``sample`` not at all; BatchNorm's running statistics
-    are restored afterwards.
-    """
-    return _saved_by_stage([model], [sample.device], sample)[0]
-
-
-def _storage(t: Tensor) -> tuple[str, int, int]:
-    """(device, address, bytes) of the memory ``t`` keeps alive: its whole storage."""
-    try:
-        storage = t.untyped_storage()
-        return str(t.device), storage.data_ptr(), storage.nbytes()
-    except (RuntimeError, NotImplementedError):  # tensors without a plain storage
-        return str(t.device), id(t), t.numel() * t.element_size()
-
-
-def _saved_by_stage(
-    stages: Sequence[nn.Module], devices: Sequence[torch.device | str], sample: Tensor
-) -> list[dict[str, int]]:
-    """Bytes saved per device by each stage, run in turn on its input moved to ``devices[i]``."""
-    x = sample.to(devices[0])
-    excluded = {_storage(t)[:2] for m in stages for t in (*m.parameters(), *m.buffers(), x)}
-    buffers = [(b, b.detach().clone()) for stage in stages for b in stage.buffers()]
-    per_stage: list[dict[str, int]] = []
-    seen: set[tuple[str, int]] = set()
-
-    def pack(t: Tensor) -> Tensor:
-        device, address, size = _storage(t)
-        if (device, address) not in excluded and (device, address) not in seen and size:
-            seen.add((device, address))
-            per_stage[-1][device] = per_stage[-1].get(device, 0) + size
-        return t
-
-    try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            for stage, device in zip(stages, devices, strict=True):
-                per_stage.append({})
-                seen.clear()  # a stage's input counts again: on its own device it is a copy
-                x = stage(x.to(device))
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:  # BatchNorm's running statistics, as they were
-                b.copy_(saved)
-    return per_stage
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from lesson05_code import lesson, split_sequential
 from torch import nn
 
 from mgpu_helpers.devices import full_float32
+from mgpu_helpers.memory import memory_by_device, memory_by_stage, saved_activation_bytes
 from mgpu_helpers.model_parallel import (
     Event,
     Timeline,
@@ -23,10 +24,7 @@ from mgpu_helpers.model_parallel import (
     forward_overlap,
     idle_fraction,
     layer_costs,
-    memory_by_device,
-    memory_by_stage,
     run_stages,
-    saved_activation_bytes,
 )
 from mgpu_helpers.models import mlp, small_cnn
 
