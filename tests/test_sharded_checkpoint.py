@@ -1,0 +1,181 @@
+"""Lesson 08, section 5: a sharded checkpoint (torch.distributed.checkpoint) saved on 2 ranks
+loads on 3 ranks and on 1 (one process without a process group: the model for inference, and
+model and Adam together, exercise 3's solution), with the saved state bit for bit and training
+going on as on 2 ranks; a checkpoint of another model is refused with a clear message;
+exercise 3's check tells its solution from a stub and from a plausible wrong answer.
+
+The code is the lesson's own, read from its notebook (``load_lesson_code``), on a narrow model
+(WIDTH=32, DEPTH=2): two launches (save on 2 ranks, load on 3). Real processes over gloo, real
+``fully_shard`` and real DCP files in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from mgpu_helpers.dist_env import DistEnv
+from mgpu_helpers.exercises import check
+from mgpu_helpers.launch import launch
+from mgpu_helpers.lesson_code import load_lesson_code
+from mgpu_helpers.placement import place
+from mgpu_helpers.timing import measure_alternating
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = (
+    "Block", "Net", "make_model", "make_batch", "FULL_ON_RANK0", "RESUME_ATOL",
+    "shard_model", "batch_share", "train_steps", "save_worker", "load_worker",
+    "differing_tensors", "saved_model_shape", "load_for_inference",
+    "resume_in_one_process", "test_resume_in_one_process",
+)  # fmt: skip
+# The head's parameters are set here, before the code is read, so that default arguments
+# (make_model(width=WIDTH)) take the small sizes.
+NAMESPACE = {
+    "WIDTH": 32, "DEPTH": 2, "BATCH_SIZE": 8, "LR": 1e-3, "SEED": 0, "IN_FEATURES": 64,
+    "CLASSES": 10, "torch": torch, "nn": nn, "F": F, "dist": dist, "DistEnv": DistEnv,
+    "Path": Path, "copy": copy, "itertools": itertools, "warnings": warnings, "dcp": dcp,
+    "CheckpointException": CheckpointException, "StateDictOptions": StateDictOptions,
+    "get_model_state_dict": get_model_state_dict, "get_state_dict": get_state_dict,
+    "set_state_dict": set_state_dict, "init_device_mesh": init_device_mesh,
+    "fully_shard": fully_shard, "measure_alternating": measure_alternating,
+    # what exercise 3's check reads from section 5's cells; the fixture below fills them in
+    "dcp_dir": None, "saved_state": None, "saved": None, "steps": 0, "resume_steps": 0,
+    "world_size": 0,
+}  # fmt: skip
+lesson = load_lesson_code("08", NAMES, NAMESPACE, folder=ROOT / "notebooks")
+STEPS, RESUME = 2, 2  # steps before the checkpoint, steps after it
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Saved on 2 ranks (with the rank-0 full state dict beside it), then loaded on 3."""
+    folder = tmp_path_factory.mktemp("lesson08")
+    dcp_dir, full_path = folder / "sharded", folder / "full.pt"
+    probe = lesson.make_batch(0, 1000)[0]
+    saved = launch(
+        lesson.save_worker, place(2, "cpu"), dcp_dir, full_path, STEPS, RESUME, probe, 1,
+        echo=False, timeout=60,
+    )[0]  # fmt: skip
+    resumed = launch(
+        lesson.load_worker, place(3, "cpu"), dcp_dir, STEPS, RESUME, 2, echo=False, timeout=60
+    )[0]
+    state = torch.load(full_path, weights_only=True)
+    # what exercise 3's check reads from the notebook's section 5
+    NAMESPACE.update(
+        dcp_dir=dcp_dir, saved_state=state, saved=saved, steps=STEPS, resume_steps=RESUME,
+        world_size=2,
+    )  # fmt: skip
+    return {"dcp_dir": dcp_dir, "saved": saved, "state": state, "resumed": resumed, "probe": probe}
+
+
+def test_each_rank_wrote_its_shards_and_the_metadata(run: dict) -> None:
+    names = sorted(p.name for p in run["dcp_dir"].iterdir())
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    entries = dcp.FileSystemReader(run["dcp_dir"]).read_metadata().state_dict_metadata
+    up = entries["model.blocks.0.up.weight"]  # 128 rows, sharded on dim 0 over 2 ranks
+    assert [list(c.offsets) for c in up.chunks] == [[0, 0], [64, 0]]
+    assert "optim.state.blocks.0.up.weight.exp_avg_sq" in entries
+
+
+def test_loads_on_three_ranks_and_trains_on_alike(run: dict) -> None:
+    resumed = run["resumed"]
+    # parameters, exp_avg, exp_avg_sq and step: bit for bit the state saved on 2 ranks
+    assert lesson.differing_tensors(resumed["loaded"], run["state"]) == []
+    assert resumed["loaded"]["optim"]["state"]["head.bias"]["step"].item() == STEPS
+    for key, value in run["saved"]["continued"].items():
+        gap = (resumed["continued"][key] - value).abs().max().item()
+        assert gap <= lesson.RESUME_ATOL, f"{key}: {gap:.1e} after resuming on 3 ranks"
+    moved = max(
+        (run["saved"]["continued"][k] - run["state"]["model"][k]).abs().max().item()
+        for k in run["state"]["model"]
+    )
+    assert moved > 100 * lesson.RESUME_ATOL  # the steps after the checkpoint really trained
+
+
+def test_loads_in_one_process_without_a_process_group(run: dict) -> None:
+    assert not dist.is_initialized()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the one-process warning is silenced by the lesson
+        model = lesson.load_for_inference(run["dcp_dir"])
+    assert lesson.differing_tensors(dict(model.state_dict()), run["state"]["model"]) == []
+    with torch.no_grad():
+        logits = model(run["probe"])
+    torch.testing.assert_close(logits, run["saved"]["logits"], rtol=1e-5, atol=1e-6)
+
+
+def test_model_and_adam_load_in_one_process_and_train_on_alike(run: dict) -> None:
+    """One process, no group: exercise 3's solution, against the state saved on 2 ranks."""
+    model, optimizer = lesson.resume_in_one_process(run["dcp_dir"])
+    _, optim_state = get_state_dict(model, optimizer)
+    assert lesson.differing_tensors(dict(model.state_dict()), run["state"]["model"]) == []
+    assert lesson.differing_tensors(optim_state["state"], run["state"]["optim"]["state"]) == []
+    for step in range(STEPS, STEPS + RESUME):  # both ranks' samples at once
+        xs, ys = zip(*(lesson.make_batch(rank, step) for rank in range(2)), strict=True)
+        optimizer.zero_grad()
+        F.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+        optimizer.step()
+    for key, value in run["saved"]["continued"].items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=0, atol=lesson.RESUME_ATOL)
+
+
+@pytest.mark.parametrize(
+    ("width", "depth", "cause"), [(64, 2, "Size mismatch"), (32, 3, "Missing key")]
+)
+def test_a_checkpoint_of_another_model_is_refused_clearly(
+    run: dict, width: int, depth: int, cause: str
+) -> None:
+    assert lesson.saved_model_shape(run["dcp_dir"]) == (32, 2)
+    with pytest.raises(ValueError) as refused:
+        lesson.load_for_inference(run["dcp_dir"], width=width, depth=depth)
+    message = str(refused.value)
+    assert cause in message and "Traceback" not in message  # DCP's cause, not its traceback wall
+    assert f"this one has width {width} and depth {depth}" in message
+    assert "Build the model with width=32, depth=2" in message
+
+
+def _verdict(capsys: pytest.CaptureFixture[str], answer) -> tuple[bool, str]:
+    """Exercise 3's check run against ``answer`` in place of the learner's function."""
+    NAMESPACE["resume_in_one_process"] = answer
+    try:
+        passed = check("exercise 3", lesson.test_resume_in_one_process, hint="h")
+    finally:
+        NAMESPACE["resume_in_one_process"] = lesson.resume_in_one_process
+    return passed, capsys.readouterr().out
+
+
+def test_exercise_3_passes_the_solution_and_fails_a_stub_and_a_wrong_answer(
+    run: dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    passed, out = _verdict(capsys, lesson.resume_in_one_process)
+    assert passed, out
+
+    def stub(dcp_dir: Path):
+        raise NotImplementedError()
+
+    passed, out = _verdict(capsys, stub)
+    assert not passed and "not implemented yet" in out
+
+    def model_only(dcp_dir: Path):  # the inference load, with a fresh Adam: a plausible mistake
+        model = lesson.load_for_inference(dcp_dir)
+        return model, torch.optim.Adam(model.parameters(), lr=NAMESPACE["LR"])
+
+    passed, out = _verdict(capsys, model_only)
+    assert not passed and "Adam's state differs" in out
