@@ -66,9 +66,9 @@ def test_the_model_has_a_count_that_does_not_divide() -> None:
 
 def test_zero_1_and_2_equal_ddp(runs: tuple[int, list[dict[str, dict]]]) -> None:
     """Two ranks on the CPU: bit for bit (halving is exact, a sum of two numbers has one
-    order). Three: DDP divides by 3 before summing and rounds there, so the last bits differ;
-    1e-6 in the parameters (~1e-1 in size) after 3 Adam steps of lr 1e-3 is far above that
-    rounding and far below one step's change."""
+    order). Three: DDP divides by 3 before summing and adds in its own order, so gradients
+    differ in their last bits, and Adam magnifies that where |g| is near eps (its step is about
+    lr·g/(|g| + eps)); the lesson allows 1% of one step, LR / 100, and so does this test."""
     world_size, per_rank = runs
     ddp = per_rank[0]["DDP"]
     for name in ("ZeRO-1", "ZeRO-2"):
@@ -78,11 +78,11 @@ def test_zero_1_and_2_equal_ddp(runs: tuple[int, list[dict[str, dict]]]) -> None
             if world_size == 2:
                 assert torch.equal(mine["state"][key], value), (name, key)
             else:
-                torch.testing.assert_close(mine["state"][key], value, rtol=0, atol=1e-6)
+                torch.testing.assert_close(mine["state"][key], value, rtol=0, atol=lesson.LR / 100)
         if world_size == 2:
             assert mine["losses"] == ddp["losses"]
         else:
-            assert mine["losses"] == pytest.approx(ddp["losses"], abs=1e-6)
+            assert mine["losses"] == pytest.approx(ddp["losses"], abs=1e-5)
     assert all(rank[n]["state"] is None for rank in per_rank[1:] for n in TRAINERS)  # rank 0's only
     assert ddp["losses"][-1] != ddp["losses"][0]  # the model trained
 
@@ -168,7 +168,7 @@ def test_zero_equals_ddp_over_nccl() -> None:
     ddp = per_rank[0]["DDP"]
     for name in ("ZeRO-1", "ZeRO-2"):
         for key, value in ddp["state"].items():
-            torch.testing.assert_close(per_rank[0][name]["state"][key], value, rtol=0, atol=1e-6)
+            torch.testing.assert_close(per_rank[0][name]["state"][key], value, rtol=0, atol=1e-5)
     shard, _ = lesson.shard_layout(N_PARAMS, 2)
     for rank in per_rank:
         assert rank["ZeRO-2"]["memory"]["gradients"] == 4 * shard
