@@ -1,0 +1,246 @@
+"""Lesson 08, sections 3 and 4 and exercise 2: FSDP2 and activation checkpointing.
+
+The code is the lesson's own, read from its notebook (``load_lesson_code``), on a narrower model
+(WIDTH=32) so that the tests stay fast. One launch per world size: 2 ranks run section 3's tour
+(shapes, gradients, the traced steps) and train DDP, FSDP2 and FSDP2 in bf16 side by side; 3
+ranks (rows that do not divide evenly, float32 sums that may round differently) train DDP and
+FSDP2 again. Activation checkpointing runs in this process.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils.checkpoint import checkpoint
+
+from mgpu_helpers.dist_env import DistEnv
+from mgpu_helpers.exercises import check
+from mgpu_helpers.launch import launch
+from mgpu_helpers.lesson_code import load_lesson_code
+from mgpu_helpers.memory import optimizer_state_bytes, saved_activation_bytes, tensor_bytes
+from mgpu_helpers.timing import synchronize
+
+ROOT = Path(__file__).resolve().parents[1]
+WIDTH, DEPTH, STEPS = 32, 2, 3
+NAMESPACE = {
+    "DDP": DDP, "DTensor": DTensor, "DeviceMesh": DeviceMesh, "DistEnv": DistEnv, "F": F,
+    "MixedPrecisionPolicy": MixedPrecisionPolicy, "ProfilerActivity": ProfilerActivity,
+    "Shard": Shard, "checkpoint": checkpoint, "dist": dist, "fully_shard": fully_shard,
+    "functools": functools, "init_device_mesh": init_device_mesh, "math": math, "nn": nn,
+    "optimizer_state_bytes": optimizer_state_bytes, "profile": profile,
+    "record_function": record_function, "saved_activation_bytes": saved_activation_bytes,
+    "synchronize": synchronize, "tensor_bytes": tensor_bytes, "time": time, "torch": torch,
+    # the head's parameters, smaller: default arguments are bound when the code is loaded
+    "WIDTH": WIDTH, "DEPTH": DEPTH, "BATCH_SIZE": 8, "LR": 1e-3, "SEED": 0,
+    "IN_FEATURES": 64, "CLASSES": 10,  # the head's `IN_FEATURES, CLASSES = 64, 10`
+    "tour": [],  # section 3's per-rank results, which exercise 2's check reads (set below)
+}  # fmt: skip
+NAMES = (
+    "Block", "Net", "make_model", "make_batch",
+    "DDPTrainer", "train_worker",  # section 2
+    "make_mesh", "apply_fsdp", "shard_shapes", "traced_step", "fsdp_tour", "FSDPTrainer",
+    "FP32_ATOL", "BF16_RTOL",  # section 3
+    "Checkpointed", "with_checkpointing",  # section 4
+    "fsdp_local_rows", "test_fsdp_local_rows",  # exercise 2
+)  # fmt: skip
+lesson = load_lesson_code("08", NAMES, NAMESPACE, folder=ROOT / "notebooks")
+TRAINERS = {
+    "DDP": lesson.DDPTrainer,
+    "FSDP2": lesson.FSDPTrainer,
+    "FSDP2 bf16": functools.partial(lesson.FSDPTrainer, mp=True),
+}
+
+
+TRAINERS_2 = ("DDP", "FSDP2")  # fp32 only: the 3-rank launch trains these two
+
+
+def tour_and_training(env: DistEnv, tour: bool, trainers: dict) -> dict:
+    """Section 3's tour (if asked) and train_worker over ``trainers``, in one launch."""
+    result = {"tour": lesson.fsdp_tour(env) if tour else None}
+    result["shapes"] = lesson.shard_shapes(
+        lesson.apply_fsdp(lesson.make_model().to(env.device), lesson.make_mesh(env))
+    )
+    result["runs"] = lesson.train_worker(env, trainers, STEPS)
+    return result
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return launch(tour_and_training, 2, True, TRAINERS, device="cpu", echo=False, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> list[dict]:
+    trainers = {k: TRAINERS[k] for k in TRAINERS_2}
+    return launch(tour_and_training, 3, False, trainers, device="cpu", echo=False, timeout=60)
+
+
+def loss_gaps(runs: dict, name: str) -> list[float]:
+    """|loss - DDP's| / DDP's, per step."""
+    pairs = zip(runs[name]["losses"], runs["DDP"]["losses"], strict=True)
+    return [abs(loss - ddp) / ddp for loss, ddp in pairs]
+
+
+def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_fsdp2_float32_equals_ddp_bit_for_bit_on_two_ranks(two_ranks: list[dict]) -> None:
+    runs = two_ranks[0]["runs"]
+    assert runs["FSDP2"]["losses"] == runs["DDP"]["losses"]
+    assert all(torch.equal(runs["FSDP2"]["state"][k], v) for k, v in runs["DDP"]["state"].items())
+    assert two_ranks[1]["runs"]["FSDP2"]["state"] is None  # rank 0 only
+
+
+def test_fsdp2_bf16_follows_ddp_within_the_stated_tolerance(two_ranks: list[dict]) -> None:
+    runs = two_ranks[0]["runs"]
+    rel = loss_gaps(runs, "FSDP2 bf16")
+    assert 0 < max(rel) <= lesson.BF16_RTOL  # not bit for bit, within the tolerance
+    # the shards stay float32: mixed precision changes the compute, not the stored state
+    assert runs["FSDP2 bf16"]["memory"] == runs["FSDP2"]["memory"]
+
+
+def test_fsdp2_float32_within_tolerance_on_three_ranks(three_ranks: list[dict]) -> None:
+    runs = three_ranks[0]["runs"]
+    assert largest_difference(runs["FSDP2"]["state"], runs["DDP"]["state"]) <= lesson.FP32_ATOL
+
+
+def test_fsdp2_memory_is_ddps_over_n(two_ranks: list[dict], three_ranks: list[dict]) -> None:
+    for results, n in ((two_ranks, 2), (three_ranks, 3)):
+        ddp, fsdp = ([sum(r["runs"][k]["memory"].values()) for r in results] for k in TRAINERS_2)
+        assert len(set(ddp)) == 1  # every rank holds everything
+        # a rank with fewer rows holds a smaller Adam state; parameters and gradients are padded
+        assert ddp[0] / n <= max(fsdp) <= 1.10 * ddp[0] / n
+
+
+def test_shards_follow_torch_chunk_with_padded_storage(
+    two_ranks: list[dict], three_ranks: list[dict]
+) -> None:
+    for results in (two_ranks, three_ranks):
+        n = len(results)
+        for name, (shape, _, _) in results[0]["shapes"].items():
+            chunks = [len(c) for c in torch.arange(shape[0]).chunk(n)]
+            rows = [r["shapes"][name][1][0] for r in results]
+            assert rows == chunks + [0] * (n - len(chunks)), (name, n, rows)
+            assert all(r["shapes"][name][1][1:] == shape[1:] for r in results)
+            assert all(r["shapes"][name][2] == chunks[0] for r in results), f"{name}: padding"
+    # 3 ranks: WIDTH=32 rows split 11, 11, 10; the head's 10 rows 4, 4, 2
+    assert [r["shapes"]["head.bias"][1] for r in three_ranks] == [(4,), (4,), (2,)]
+
+
+def test_the_tour_checks_gradients_and_traces_the_collectives(two_ranks: list[dict]) -> None:
+    tour = two_ranks[0]["tour"]
+    assert tour["grad_diff"] < 1e-5  # averaged, not summed: one process on the global batch
+    uneven = [r["tour"]["shapes"][f"Linear({WIDTH}, 5).weight"] for r in two_ranks]
+    assert [(local[0], storage) for _, local, storage in uneven] == [(3, 3), (2, 3)]
+    for reshard, gathers in ((True, 2 * DEPTH + 1), (False, DEPTH + 1)):
+        kinds = [e[0] for e in tour["traces"][reshard]]
+        assert kinds.count("all-gather") == gathers and kinds.count("reduce-scatter") == DEPTH + 1
+        backward = next(e for e in tour["traces"][reshard] if e[0] == "backward")
+        late = [e for e in tour["traces"][reshard] if e[0] == "all-gather" and e[2] >= backward[2]]
+        assert len(late) == gathers - (DEPTH + 1)  # in backward: the blocks again, or nothing
+    block_bytes = sum(p.numel() * 4 for p in lesson.make_model().blocks.parameters())
+    assert tour["held"] == {True: 0, False: block_bytes}
+
+
+@pytest.mark.parametrize(
+    ("world_size", "shape", "advice"),
+    [(4, (3,), "(4,) or a 2-D shape such as (2, 2)"), (2, (2, 2), "(2,)"), (3, (0, 3), "(3,)"),
+     (6, (), "(2, 3)"), (2, (1.0, 2), "(2,)")],
+)  # fmt: skip
+def test_make_mesh_refuses_a_shape_that_does_not_fit(
+    world_size: int, shape: tuple, advice: str
+) -> None:
+    env = DistEnv(0, 0, world_size, torch.device("cpu"), "gloo")
+    with pytest.raises(ValueError, match="pass shape=None") as refused:
+        lesson.make_mesh(env, shape)
+    assert advice in str(refused.value) and f"{world_size} ranks" in str(refused.value)
+
+
+def test_checkpointing_keeps_gradients_and_saves_memory() -> None:
+    x, y = lesson.make_batch(0, 0, 16)
+    grads, saved = {}, {}
+    for every in (0, 2, 1):
+        model = lesson.with_checkpointing(lesson.make_model(), every)
+        saved[every] = saved_activation_bytes(model, x)["cpu"]
+        F.cross_entropy(model(x), y).backward()
+        grads[every] = [p.grad for p in model.parameters()]
+    for every in (2, 1):
+        assert all(torch.equal(a, b) for a, b in zip(grads[every], grads[0], strict=True))
+    b, w = 16, WIDTH  # per block: 10·B·W + 2·B floats without, B·W with; plus the head's input
+    assert saved[0] == 4 * (DEPTH * (10 * b * w + 2 * b) + b * w)
+    assert saved[1] == 4 * (DEPTH * b * w + b * w) < saved[2] < saved[0]
+    with pytest.raises(ValueError, match="pass 1 to checkpoint every block"):
+        lesson.with_checkpointing(lesson.make_model(), -1)
+
+
+def test_exercise_2_passes_the_solution_and_fails_the_stub_and_wrong_answers(
+    two_ranks: list[dict], capsys: pytest.CaptureFixture[str]
+) -> None:
+    NAMESPACE["tour"] = [r["tour"] for r in two_ranks]
+    lesson.test_fsdp_local_rows()  # the solution passes, on the ranks' real shapes too
+    solution = lesson.fsdp_local_rows
+
+    def stub(dim0: int, world_size: int, rank: int) -> int:
+        raise NotImplementedError()
+
+    def even_split(dim0: int, world_size: int, rank: int) -> int:  # np.array_split's 3, 3, 2, 2
+        solution(dim0, world_size, rank)  # the same errors for bad input
+        return dim0 // world_size + (rank < dim0 % world_size)
+
+    def ceil_everywhere(dim0: int, world_size: int, rank: int) -> int:
+        solution(dim0, world_size, rank)
+        return -(-dim0 // world_size)
+
+    try:
+        NAMESPACE["fsdp_local_rows"] = stub
+        assert not check("exercise 2", lesson.test_fsdp_local_rows, hint="h")
+        assert "FAIL  exercise 2: not implemented yet" in capsys.readouterr().out
+        for wrong in (even_split, ceil_everywhere):
+            NAMESPACE["fsdp_local_rows"] = wrong
+            with pytest.raises(AssertionError):
+                lesson.test_fsdp_local_rows()
+    finally:
+        NAMESPACE["fsdp_local_rows"] = solution
+
+
+@pytest.mark.gpu
+def test_checkpointing_lowers_the_peak_on_a_gpu() -> None:
+    device = torch.device("cuda:0")
+    x, y = (t.to(device) for t in lesson.make_batch(0, 0, 512))
+    peaks = {}
+    for every in (0, 1):
+        model = lesson.with_checkpointing(lesson.make_model(), every).to(device)
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        F.cross_entropy(model(x), y).backward()
+        torch.cuda.synchronize(device)
+        peaks[every] = torch.cuda.max_memory_allocated(device) - before
+    saved = 4 * DEPTH * (9 * 512 * WIDTH + 2 * 512)  # what checkpointing does not keep
+    assert peaks[0] - peaks[1] >= 0.25 * saved, peaks  # recomputation needs one block's back
+
+
+@pytest.mark.multigpu
+def test_fsdp2_trains_like_ddp_on_two_gpus() -> None:
+    results = launch(tour_and_training, 2, False, TRAINERS, device="cuda", echo=False, timeout=120)
+    runs = results[0]["runs"]
+    assert largest_difference(runs["FSDP2"]["state"], runs["DDP"]["state"]) <= lesson.FP32_ATOL
+    assert max(loss_gaps(runs, "FSDP2 bf16")) <= lesson.BF16_RTOL
+    for r in results:  # each GPU holds half of DDP's model state, plus padding
+        ddp, fsdp = (sum(r["runs"][k]["memory"].values()) for k in ("DDP", "FSDP2"))
+        assert ddp / 2 <= fsdp <= 1.10 * ddp / 2
