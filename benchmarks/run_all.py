@@ -37,7 +37,9 @@ sys.path.insert(0, str(HERE.parent))  # run from a source checkout without insta
 from mgpu_helpers.plots import plot_bandwidth, plot_micro_batch_sweep  # noqa: E402
 from mgpu_helpers.util import write_json  # noqa: E402
 
-BENCHMARKS = ("loop_overhead", "launch_overhead", "pipeline", "ddp_from_scratch", "allreduce")
+BENCHMARKS = (
+    "loop_overhead", "launch_overhead", "pipeline", "ddp_from_scratch", "allreduce", "sharding",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,54 @@ def _plot_allreduce(r: Mapping) -> Figure:
     )
 
 
+def _sharding(r: Mapping) -> list[Headline]:
+    """FSDP2's per-rank model state against DDP's / N (a target at every N); FSDP2's time."""
+    rows = [
+        Headline("sharding", f"FSDP2 state / (DDP's / N), N={n}", ratio, r["target"], "target")
+        for n, ratio in r["fsdp_ratio"].items()
+    ]
+    rows += [
+        Headline("sharding", f"FSDP2 step time / DDP's, N={n}", ratios["FSDP2"], None, "report")
+        for n, ratios in r["time_ratio"].items()
+        if int(n) > 1
+    ]
+    return rows
+
+
+def _plot_sharding(r: Mapping) -> Figure:
+    """Model state per rank against N (with DDP / N), and each method's step time / DDP's."""
+    sizes = [int(n) for n in r["runs"]]
+    fig = Figure(figsize=(11, 4))
+    memory, speed = fig.subplots(1, 2)
+    for i, name in enumerate(r["methods"]):
+        totals = [r["runs"][str(n)]["memory"][name]["total"] / 2**20 for n in sizes]
+        memory.plot(sizes, totals, marker="o", color=f"C{i}", label=name)
+        ratios = [r["time_ratio"][str(n)][name] for n in sizes]
+        low = [
+            q - r["time_ratio_range"][str(n)][name][0] for q, n in zip(ratios, sizes, strict=True)
+        ]
+        high = [
+            r["time_ratio_range"][str(n)][name][1] - q for q, n in zip(ratios, sizes, strict=True)
+        ]
+        width = 0.8 / len(r["methods"])
+        where = [k + (i - (len(r["methods"]) - 1) / 2) * width for k in range(len(sizes))]
+        speed.bar(where, ratios, width, color=f"C{i}", label=name)
+        speed.errorbar(where, ratios, [low, high], fmt="none", ecolor="black", capsize=3)
+    ddp = [r["runs"][str(n)]["memory"]["DDP"]["total"] / n / 2**20 for n in sizes]
+    memory.plot(sizes, ddp, "k--", label="DDP / N")
+    memory.set(
+        xscale="log", xticks=sizes, xticklabels=sizes, xlabel="ranks N", ylabel="MiB per rank"
+    )
+    memory.set_title("parameters + gradients + Adam state, per rank")
+    memory.legend(fontsize="small")
+    speed.axhline(1.0, color="0.5", lw=0.8)
+    speed.set(xticks=range(len(sizes)), xticklabels=[f"N={n}" for n in sizes])
+    speed.set(ylabel="step time / DDP's", title="step time against DDP (median, range of rounds)")
+    speed.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
 Reader = tuple[Callable[[Mapping], list[Headline]], Callable[[Mapping], Figure]]
 READERS: dict[str, Reader] = {
     "loop_overhead": (_loop_overhead, _plot_loop_overhead),
@@ -191,6 +241,7 @@ READERS: dict[str, Reader] = {
     "pipeline": (_pipeline, _plot_pipeline),
     "ddp_from_scratch": (_ddp_from_scratch, _plot_ddp_from_scratch),
     "allreduce": (_allreduce, _plot_allreduce),
+    "sharding": (_sharding, _plot_sharding),
 }
 
 

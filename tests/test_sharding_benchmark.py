@@ -1,0 +1,89 @@
+"""benchmarks/sharding.py runs lesson 08's own trainers and writes its JSON; run_all reads it.
+
+The memory target is exact tensor accounting, so the quick run must meet it; no timing is
+asserted (speed belongs in the benchmark, not in the tests). That the target can be missed is
+checked through run_all's reader, on a result made to miss it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from benchmark_run import ROOT, load_benchmark, run_benchmark
+
+run_all = load_benchmark("run_all")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    """One quick run on CPU processes, world sizes 2 and 4 (1 adds little and costs a launch)."""
+    out = tmp_path_factory.mktemp("sharding") / "sharding.json"
+    args = ("--quick", "--device", "cpu", "--world-sizes", "2", "4", "--out", str(out))
+    done = run_benchmark("sharding", *args, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, json.loads(out.read_text())
+
+
+def test_quick_run_reports_memory_per_rank_and_the_target(result: tuple[str, dict]) -> None:
+    text, data = result
+    assert "target <= 1.10 at every N" in text.splitlines()[-2] and "PASS" in text
+    assert data["benchmark"] == "sharding" and data["quick"] is True
+    assert data["world_sizes"] == [2, 4] and data["methods"] == ["DDP", "ZeRO-1", "ZeRO-2", "FSDP2"]
+    assert {"torch", "python", "cpu_count", "gpus"} <= set(data["hardware"])
+    ddp = {n: data["runs"][n]["memory"]["DDP"]["total"] for n in ("2", "4")}
+    assert ddp["2"] == ddp["4"] == 16 * data["parameters"]  # fp32 Adam: 4 + 4 + 8 bytes each
+    for n in ("2", "4"):
+        run = data["runs"][n]
+        assert run["placement"]["world_size"] == int(n) and run["placement"]["backend"] == "gloo"
+        assert len(run["total_per_rank"]["FSDP2"]) == int(n)
+        for name in data["methods"]:
+            memory = run["memory"][name]
+            kinds = ("parameters", "gradients", "optimizer")
+            assert memory["total"] == sum(memory[k] for k in kinds)
+            assert len(run["seconds_per_step"][name]) == data["repeats"]
+        fsdp = run["memory"]["FSDP2"]["total"]
+        assert data["fsdp_ratio"][n] == pytest.approx(fsdp / (ddp[n] / int(n)))
+        assert 1.0 <= data["fsdp_ratio"][n] <= data["target"] == 1.10
+        # each sharding step holds less than the one before it
+        totals = [run["memory"][m]["total"] for m in data["methods"]]
+        assert totals == sorted(totals, reverse=True) and totals[0] > totals[-1]
+        assert data["time_ratio"][n]["DDP"] == 1.0
+    assert data["passed"] is True
+
+
+def test_run_all_reads_it_and_a_result_over_the_target_is_not_met(
+    result: tuple[str, dict], tmp_path: Path
+) -> None:
+    _, data = result
+    headlines = run_all._sharding(data)
+    targets = [h for h in headlines if h.kind == "target"]
+    assert [h.what for h in targets] == [f"FSDP2 state / (DDP's / N), N={n}" for n in (2, 4)]
+    assert all(h.met for h in targets)
+    assert [h.kind for h in headlines if "time" in h.what] == ["report", "report"]
+    over = copy.deepcopy(data)
+    over["fsdp_ratio"]["4"] = 1.25  # as if FSDP2 kept a quarter more than DDP / 4
+    missed = [h for h in run_all._sharding(over) if h.what.endswith("N=4") and h.kind == "target"]
+    assert missed[0].met is False and "NOT met" in missed[0].row()
+    run_all._plot_sharding(data).savefig(tmp_path / "sharding.png", dpi=60)
+    assert (tmp_path / "sharding.png").stat().st_size > 1000
+
+
+def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    benchmark = load_benchmark("sharding")
+    for args, message in ((["--steps", "1"], "at least 2"), (["--world-sizes", "0"], "at least 1")):
+        with pytest.raises(SystemExit) as stopped:
+            benchmark.parse_args(["--quick", "--device", "cpu", *args])
+        assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_benchmark_runs_lesson_08s_own_code() -> None:
+    """The trainers and train_worker are written in lesson 08's cells only."""
+    benchmark = load_benchmark("sharding")
+    notebook = str(ROOT / "notebooks" / "08_sharding_fsdp.ipynb")
+    for name in ("DDPTrainer", "ZeroTrainer", "FSDPTrainer"):
+        assert getattr(benchmark.lesson, name).__module__ == "08_sharding_fsdp"
+    assert benchmark.lesson.train_worker.__code__.co_filename.startswith(notebook)
+    assert getattr(benchmark, "FSDPTrainer", None) is None  # no copy of its own
