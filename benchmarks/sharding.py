@@ -133,10 +133,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(n < 1 for n in args.world_sizes):
         parser.error(f"--world-sizes {args.world_sizes}: every world size must be at least 1")
     args.world_sizes = sorted(set(args.world_sizes))
+    # GPUs where there is one per rank; otherwise CPU processes (FSDP2 over gloo: CPU tensors)
+    on_gpu = {n: gpus >= n and args.device != "cpu" for n in args.world_sizes}
     if args.quick:
         sizes = {"width": 64, "depth": 2, "batch": 8, "steps": 3, "repeats": 2}
-    elif gpus:
-        sizes = {"width": 2048, "depth": 8, "batch": 64, "steps": 6, "repeats": 5}
+    elif all(on_gpu.values()):  # GPU sizes only where no world size falls back to the CPU
+        sizes = {"width": 1024, "depth": 8, "batch": 64, "steps": 6, "repeats": 5}
     else:
         sizes = {"width": 256, "depth": 4, "batch": 16, "steps": 5, "repeats": 5}
     for name, value in sizes.items():
@@ -147,8 +149,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name} must be at least 1")
     if args.steps < 2:
         parser.error(f"--steps {args.steps}: the first step is not timed, so at least 2 are needed")
-    # GPUs where there is one per rank; otherwise CPU processes (FSDP2 over gloo: CPU tensors)
-    on_gpu = {n: gpus >= n and args.device != "cpu" for n in args.world_sizes}
     args.placements = {n: place(n, "cuda" if on_gpu[n] else "cpu") for n in args.world_sizes}
     return args
 

@@ -57,7 +57,7 @@ NAMESPACE = {
     "set_state_dict": set_state_dict, "init_device_mesh": init_device_mesh,
     "fully_shard": fully_shard, "measure_alternating": measure_alternating,
     # what exercise 3's check reads from section 5's cells; the fixture below fills them in
-    "dcp_dir": None, "saved_state": None, "saved": None, "steps": 0, "resume_steps": 0,
+    "dcp_dir": None, "saved_state": None, "save_run": None, "steps": 0, "resume_steps": 0,
     "world_size": 0,
 }  # fmt: skip
 lesson = load_lesson_code("08", NAMES, NAMESPACE, folder=ROOT / "notebooks")
@@ -80,7 +80,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     state = torch.load(full_path, weights_only=True)
     # what exercise 3's check reads from the notebook's section 5
     NAMESPACE.update(
-        dcp_dir=dcp_dir, saved_state=state, saved=saved, steps=STEPS, resume_steps=RESUME,
+        dcp_dir=dcp_dir, saved_state=state, save_run=saved, steps=STEPS, resume_steps=RESUME,
         world_size=2,
     )  # fmt: skip
     return {"dcp_dir": dcp_dir, "saved": saved, "state": state, "resumed": resumed, "probe": probe}
@@ -179,3 +179,40 @@ def test_exercise_3_passes_the_solution_and_fails_a_stub_and_a_wrong_answer(
 
     passed, out = _verdict(capsys, model_only)
     assert not passed and "Adam's state differs" in out
+
+
+@pytest.mark.gpu
+def test_saved_on_a_gpu_it_loads_in_one_cpu_process(tmp_path: Path) -> None:
+    """One rank on cuda:0 (NCCL): the shards come off the GPU; the CPU load gives the same."""
+    probe = lesson.make_batch(0, 1000)[0]
+    saved = launch(
+        lesson.save_worker, place(1, "cuda"), tmp_path / "sharded", tmp_path / "full.pt", STEPS,
+        RESUME, probe, 1, echo=False, timeout=120,
+    )[0]  # fmt: skip
+    state = torch.load(tmp_path / "full.pt", weights_only=True)
+    model = lesson.load_for_inference(tmp_path / "sharded")  # on the CPU
+    assert lesson.differing_tensors(dict(model.state_dict()), state["model"]) == []
+    with torch.no_grad():
+        logits = model(probe)
+    # the GPU's kernels and the CPU's add in other orders: float rounding only
+    torch.testing.assert_close(logits, saved["logits"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.multigpu
+def test_saved_on_two_gpus_it_loads_on_one(tmp_path: Path) -> None:
+    """Two GPU ranks (NCCL) save, one GPU rank loads: the state bit for bit, training alike."""
+    probe = lesson.make_batch(0, 1000)[0]
+    dcp_dir, full_path = tmp_path / "sharded", tmp_path / "full.pt"
+    saved = launch(
+        lesson.save_worker, place(2, "cuda"), dcp_dir, full_path, STEPS, RESUME, probe, 1,
+        echo=False, timeout=120,
+    )[0]  # fmt: skip
+    resumed = launch(
+        lesson.load_worker, place(1, "cuda"), dcp_dir, STEPS, RESUME, 2, echo=False, timeout=120
+    )[0]
+    state = torch.load(full_path, weights_only=True)
+    assert lesson.differing_tensors(resumed["loaded"], state) == []
+    for key, value in saved["continued"].items():
+        torch.testing.assert_close(
+            resumed["continued"][key], value, rtol=0, atol=lesson.RESUME_ATOL
+        )
