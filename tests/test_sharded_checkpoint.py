@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import warnings
 from pathlib import Path
 
@@ -29,8 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.exercises import check
@@ -42,7 +43,7 @@ from mgpu_helpers.timing import measure_alternating
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = (
     "Block", "Net", "make_model", "make_batch", "FULL_ON_RANK0", "RESUME_ATOL",
-    "shard_model", "batch_share", "train_steps", "save_worker", "load_worker",
+    "make_mesh", "apply_fsdp", "batch_share", "train_steps", "save_worker", "load_worker",
     "differing_tensors", "saved_model_shape", "load_for_inference",
     "resume_in_one_process", "test_resume_in_one_process",
 )  # fmt: skip
@@ -55,7 +56,8 @@ NAMESPACE = {
     "CheckpointException": CheckpointException, "StateDictOptions": StateDictOptions,
     "get_model_state_dict": get_model_state_dict, "get_state_dict": get_state_dict,
     "set_state_dict": set_state_dict, "init_device_mesh": init_device_mesh,
-    "fully_shard": fully_shard, "measure_alternating": measure_alternating,
+    "fully_shard": fully_shard, "measure_alternating": measure_alternating, "math": math,
+    "DeviceMesh": DeviceMesh, "MixedPrecisionPolicy": MixedPrecisionPolicy,
     # what exercise 3's check reads from section 5's cells; the fixture below fills them in
     "dcp_dir": None, "saved_state": None, "save_run": None, "steps": 0, "resume_steps": 0,
     "world_size": 0,
