@@ -225,6 +225,7 @@ def _plot_sharding(r: Mapping) -> Figure:
         xscale="log", xticks=sizes, xticklabels=sizes, xlabel="ranks N", ylabel="MiB per rank"
     )
     memory.set_title("parameters + gradients + Adam state, per rank")
+    memory.minorticks_off()  # the log axis shows the world sizes only
     memory.legend(fontsize="small")
     speed.axhline(1.0, color="0.5", lw=0.8)
     speed.set(xticks=range(len(sizes)), xticklabels=[f"N={n}" for n in sizes])
