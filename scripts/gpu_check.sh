@@ -70,14 +70,17 @@ lessons_limit=$((deadline - SECONDS - 90))
 step lessons "$lessons_limit" "$PY" scripts/lesson_as_script.py run --quick \
   --out "$out/lessons" --timeout "$lesson_timeout" --total "$((lessons_limit - 25))" \
   --mode "${LESSON_MODE:-auto}"
-# The test files whose GPU tests need no Jupyter stack (the notebooks run on the CPU in CI).
+# The test files whose GPU tests need no Jupyter stack (the notebooks run on the CPU in CI);
+# test_torchrun_gpu.py: lesson 07's scripts/train_ddp.py under torchrun, a rank killed; the last
+# four: lesson 08 (memory accounting, ZeRO by hand, FSDP2, sharded checkpoints).
 step gpu_tests 210 "$PY" -m pytest -p no:cacheprovider -q -rs -m "gpu or multigpu" \
   tests/test_data_parallel.py tests/test_ddp.py tests/test_ddp_batchnorm.py tests/test_devices.py \
   tests/test_doctor.py tests/test_devices_extra.py tests/test_launch.py \
   tests/test_model_parallel.py tests/test_allocator_claims.py tests/test_timing.py \
   tests/test_train.py tests/test_ddp_by_hand.py tests/test_comm.py tests/test_scaling.py \
   tests/test_no_sync.py tests/test_amp.py tests/test_loading.py \
-  tests/test_torchrun_gpu.py  # lesson 07: scripts/train_ddp.py under torchrun, a rank killed
+  tests/test_torchrun_gpu.py \
+  tests/test_memory.py tests/test_zero.py tests/test_fsdp.py tests/test_sharded_checkpoint.py
 step loop_overhead 90 "$PY" benchmarks/loop_overhead.py --out "$out/loop_overhead.json"
 # 3 repeats: the benchmark also times bare spawn (each rank imports torch and starts CUDA again)
 step launch_overhead 90 "$PY" benchmarks/launch_overhead.py --repeats 3 \
@@ -89,6 +92,9 @@ step ddp_from_scratch 60 "$PY" benchmarks/ddp_from_scratch.py --repeats 5 \
   --out "$out/ddp_from_scratch.json"
 step allreduce 60 "$PY" benchmarks/allreduce.py --max-mb 64 --repeats 3 \
   --out "$out/allreduce.json"
+# lesson 08: per-rank memory of DDP, ZeRO-1/2 and FSDP2 at 1, 2 and 4 ranks (ranks beyond the
+# GPUs run as CPU processes), and step time against DDP
+step sharding 60 "$PY" benchmarks/sharding.py --repeats 3 --out "$out/sharding.json"
 echo "== steps:"
 cat "$out/steps.txt"
 echo "results in $out (status $status, $SECONDS s)"
