@@ -50,7 +50,10 @@ def tensor_bytes(tensors: Iterable[Tensor | None]) -> int:
 
     A DTensor counts its local shard; each storage counts once and whole (a view, or two
     parameters sharing one weight, is not counted twice; a slice keeps its whole buffer
-    alive, so the whole buffer counts); None (a missing gradient) counts nothing.
+    alive, so the whole buffer counts); None (a missing gradient) counts nothing. So the number
+    is what the rank holds, padding included: FSDP2 pads an uneven shard to ceil(rows / N)
+    rows and its local tensor is a view of that padded storage (its gradients views of one
+    padded reduce-scatter buffer), so a rank whose shard is short counts the padded size.
     """
     seen: set[tuple[str, int]] = set()
     total = 0
@@ -65,12 +68,13 @@ def tensor_bytes(tensors: Iterable[Tensor | None]) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, steps: bool = False) -> int:
-    """Bytes of the tensors in ``optimizer.state`` on this process (lessons 08; DTensor: local).
+    """Bytes of the tensors in ``optimizer.state`` on this process (lesson 08; DTensor: local).
 
     Adam keeps two tensors per parameter (``exp_avg``, ``exp_avg_sq``), each the parameter's
     size, created by the first ``step()``; before it the state is empty. Its 0-dimensional
-    ``step`` counters (4 bytes per parameter tensor, kept on the CPU unless ``capturable`` or
-    ``fused``) count only with ``steps=True``.
+    ``step`` counters (one per parameter tensor: 4 bytes, or 8 when the default dtype is
+    float64; kept on the CPU unless ``capturable`` or ``fused``) count only with
+    ``steps=True``.
     """
     return tensor_bytes(
         t

@@ -68,10 +68,19 @@ def test_cuda_memory_sees_a_new_tensor() -> None:
     assert after.allocated - before.allocated == x.nbytes
     assert after.peak >= after.allocated and after.reserved >= after.allocated
     assert tensor_bytes([x]) == x.nbytes
+    temporary = torch.empty(2**21, device=device)  # 8 MiB, freed at once: the peak remembers it
+    del temporary
+    gone = cuda_memory(device)
+    assert gone.allocated == after.allocated
+    assert gone.peak - after.allocated >= 8 * 2**20
+    torch.cuda.reset_peak_memory_stats(device)  # the peak starts again from what is allocated now
+    reset = cuda_memory(device)
+    assert reset.peak == reset.allocated == after.allocated
 
 
-def _dtensor_worker(env: DistEnv) -> tuple[int, int, int, int]:
+def _dtensor_worker(env: DistEnv) -> tuple[int, int, int, int, dict[str, int]]:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh(env.device.type, (env.world_size,))
@@ -82,19 +91,43 @@ def _dtensor_worker(env: DistEnv) -> tuple[int, int, int, int]:
     opt = torch.optim.Adam([sharded_param], lr=1e-3)
     sharded_param.grad = distribute_tensor(torch.ones(10, 6), mesh, [Shard(0)])
     opt.step()
+    # an uneven shard: FSDP2 cuts 5 and 3 rows over 2 ranks as 3 + 2 and 2 + 1, padding rank 1's
+    uneven = fully_shard(nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3)), mesh=mesh)
+    adam = torch.optim.Adam(uneven.parameters(), lr=1e-3)
+    uneven(torch.randn(4, 6)).sum().backward()
+    adam.step()
+    params = list(uneven.parameters())
+    fsdp = {
+        "local": sum(local_tensor(p).numel() * 4 for p in params),
+        "parameters": tensor_bytes(params),
+        "gradients": tensor_bytes(p.grad for p in params),
+        "optimizer": optimizer_state_bytes(adam),
+    }
     return (
         tensor_bytes([sharded]),
         local_tensor(sharded).numel(),
         tensor_bytes([sharded_param.grad]),
         optimizer_state_bytes(opt),
+        fsdp,
     )
 
 
 def test_a_dtensor_counts_its_local_shard_on_each_rank() -> None:
     """Two real gloo ranks: a (10, 6) float32 DTensor sharded by rows holds 5 x 6 per rank,
-    and so do its gradient and Adam's two moments."""
+    and so do its gradient and Adam's two moments.
+
+    FSDP2 on Linear(6, 5) + Linear(5, 3): rank 1's shard is 2 + 2 rows and 1 + 1 rows, 20
+    numbers, 80 bytes; but its parameters live in storage padded to 3 + 3 and 2 + 2 rows, 33
+    numbers, and its gradients are views of one reduce-scatter buffer of the same padded size:
+    tensor_bytes counts what the rank holds, 132 bytes each. Adam's moments are made from the
+    unpadded local shard: 2 x 80 bytes."""
     per_rank = launch(_dtensor_worker, 2, device="cpu", echo=False, timeout=60)
-    for held, numel, grad, state in per_rank:
+    for held, numel, grad, state, _ in per_rank:
         assert numel == 5 * 6
         assert held == grad == 5 * 6 * 4
         assert state == 2 * 5 * 6 * 4
+    padded = (3 * 6 + 3 + 2 * 5 + 2) * 4  # both ranks' storage: ceil(rows / 2) rows per parameter
+    assert per_rank[0][4] == {"local": padded, "parameters": padded, "gradients": padded,
+                              "optimizer": 2 * padded}  # rank 0's shard is the full padded size
+    assert per_rank[1][4] == {"local": 80, "parameters": padded, "gradients": padded,
+                              "optimizer": 2 * 80}  # rank 1's: 20 numbers, in padded storage

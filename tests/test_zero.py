@@ -2,14 +2,15 @@
 
 The trainers are the lesson's own code, read from its notebook (``load_lesson_code``), run on a
 small model (WIDTH=7, DEPTH=2: 1,417 parameters, a count that neither 2 nor 3 ranks divide, so
-the flat vector is padded). One launch per world size serves every test of that size.
+the flat vector is padded). One launch per world size serves every test of that size: the
+lesson's lockstep comparison (with a ZeRO that forgets to divide by N, which it must reject),
+train_worker's runs, and a step without a backward.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.exercises import check
-from mgpu_helpers.launch import WorkerError, launch
+from mgpu_helpers.launch import launch
 from mgpu_helpers.lesson_code import load_lesson_code
 from mgpu_helpers.memory import optimizer_state_bytes, tensor_bytes
 from mgpu_helpers.placement import place
@@ -30,11 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 NAMES = (
     "WIDTH", "DEPTH", "BATCH_SIZE", "LR", "SEED",
     "Block", "Net", "make_model", "make_batch", "shard_layout",
-    "DDPTrainer", "ZeroTrainer", "train_worker",
+    "DDPTrainer", "ZeroTrainer", "train_worker", "lockstep_worker",
 )  # fmt: skip
 NAMESPACE = {
     "DDP": DDP, "DistEnv": DistEnv, "F": F, "dist": dist, "functools": functools, "nn": nn,
-    "time": time, "torch": torch, "warnings": warnings, "tensor_bytes": tensor_bytes,
+    "time": time, "torch": torch, "tensor_bytes": tensor_bytes,
     "optimizer_state_bytes": optimizer_state_bytes,
     "IN_FEATURES": 64, "CLASSES": 10,  # the head's `IN_FEATURES, CLASSES = 64, 10`
 }  # fmt: skip
@@ -48,13 +49,48 @@ TRAINERS = {
 }
 
 
-def run(env: DistEnv) -> dict[str, dict]:
-    return lesson.train_worker(env, TRAINERS, STEPS, width=WIDTH, depth=DEPTH, per_rank=PER_RANK)
+class NoDivision(lesson.ZeroTrainer):
+    """A wrong ZeRO, the negative control: the gradient Adam reads is the sum, not the average."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.optimizer.register_step_pre_hook(self.undo_division)
+
+    def undo_division(self, *_: object) -> None:
+        """Just before Adam reads the gradient: times N, as if the division had been forgotten."""
+        self.shard.grad.mul_(self.env.world_size)
+
+
+LOCKSTEP = {
+    **TRAINERS,
+    "no division 1": functools.partial(NoDivision, stage=1),
+    "no division 2": functools.partial(NoDivision, stage=2),
+}
+
+
+def run(env: DistEnv) -> dict:
+    sizes = {"width": WIDTH, "depth": DEPTH, "per_rank": PER_RANK}
+    result = {
+        "lockstep": lesson.lockstep_worker(env, LOCKSTEP, STEPS, **sizes),
+        "runs": lesson.train_worker(env, TRAINERS, STEPS, **sizes),
+    }
+    trainer = lesson.ZeroTrainer(lesson.make_model(WIDTH, DEPTH).to(env.device), env, 1e-3)
+    try:
+        trainer.step()  # no backward before: no gradients to exchange
+    except RuntimeError as error:  # raised before any collective, so on every rank
+        result["no backward"] = str(error)
+    return result
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
-def runs(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, dict]]]:
+def launched(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
     return request.param, launch(run, request.param, device="cpu", echo=False, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def runs(launched: tuple[int, list[dict]]) -> tuple[int, list[dict[str, dict]]]:
+    world_size, per_rank = launched
+    return world_size, [rank["runs"] for rank in per_rank]
 
 
 def test_the_model_has_a_count_that_does_not_divide() -> None:
@@ -64,11 +100,44 @@ def test_the_model_has_a_count_that_does_not_divide() -> None:
     assert lesson.shard_layout(12, 4) == (3, 0)
 
 
+def test_the_gradient_adam_reads_equals_ddps_and_a_missing_division_is_caught(
+    launched: tuple[int, list[dict]],
+) -> None:
+    """After every step, each ZeRO trainer's shard gradient against DDP's averaged .grad cut
+    the same way: bit for bit on 2 CPU ranks, within rtol 1e-5 (atol 1e-6 of the largest)
+    otherwise. A ZeRO without the division by N fails it at every step, on every rank, even
+    where its parameters stay within the 3-rank tolerance (Adam hides the scale)."""
+    world_size, per_rank = launched
+    for rank in per_rank:
+        lockstep = rank["lockstep"]
+        assert set(lockstep) == set(LOCKSTEP) - {"DDP"}
+        for name in ("ZeRO-1", "ZeRO-2"):
+            ok = lockstep[name]["gradient ok"]
+            assert ok == [True] * STEPS, (name, lockstep[name]["gradient"])
+            if world_size == 2:
+                assert lockstep[name]["gradient"] == lockstep[name]["parameter"] == [0.0] * STEPS
+            else:
+                assert max(lockstep[name]["parameter"]) <= lesson.LR / 100
+        for name in ("no division 1", "no division 2"):
+            assert lockstep[name]["gradient ok"] == [False] * STEPS, name
+            assert min(lockstep[name]["gradient"]) > 0.5  # N times the average: off by (N - 1) x
+
+
+def test_a_step_without_gradients_fails_on_every_rank_instead_of_hanging(
+    launched: tuple[int, list[dict]],
+) -> None:
+    _, per_rank = launched
+    for rank in per_rank:
+        assert "call loss.backward() before step()" in rank["no backward"]
+
+
 def test_zero_1_and_2_equal_ddp(runs: tuple[int, list[dict[str, dict]]]) -> None:
-    """Two ranks on the CPU: bit for bit (halving is exact, a sum of two numbers has one
-    order). Three: DDP divides by 3 before summing and adds in its own order, so gradients
-    differ in their last bits, and Adam magnifies that where |g| is near eps (its step is about
-    lr·g/(|g| + eps)); the lesson allows 1% of one step, LR / 100, and so does this test."""
+    """Two ranks on the CPU: bit for bit (DDP scales each rank's gradient by 1/2 before the
+    sum, ZeRO halves the sum: halving is exact but for subnormals, and a sum of two numbers
+    has one order). Three: DDP scales by 1/3 before summing and adds in its own order, so the
+    averages differ in the terms' last bits; where the ranks' gradients nearly cancel to a sum
+    near eps, Adam's step, about lr·g/(|g| + eps), turns that into a visible fraction of lr. The
+    lesson allows 1% of one step, LR / 100, and so does this test."""
     world_size, per_rank = runs
     ddp = per_rank[0]["DDP"]
     for name in ("ZeRO-1", "ZeRO-2"):
@@ -84,7 +153,9 @@ def test_zero_1_and_2_equal_ddp(runs: tuple[int, list[dict[str, dict]]]) -> None
         else:
             assert mine["losses"] == pytest.approx(ddp["losses"], abs=1e-5)
     assert all(rank[n]["state"] is None for rank in per_rank[1:] for n in TRAINERS)  # rank 0's only
-    assert ddp["losses"][-1] != ddp["losses"][0]  # the model trained
+    initial = dict(lesson.make_model(WIDTH, DEPTH).named_parameters())
+    for key, value in ddp["state"].items():  # every parameter moved: the trainers stepped
+        assert not torch.equal(value, initial[key]), key
 
 
 def test_each_rank_holds_what_was_predicted(runs: tuple[int, list[dict[str, dict]]]) -> None:
@@ -103,6 +174,7 @@ def test_each_rank_holds_what_was_predicted(runs: tuple[int, list[dict[str, dict
         for name, memory in expected.items():
             assert rank[name]["memory"] == memory, (name, rank[name]["memory"])
             assert rank[name]["peak_cuda"] is None  # CPU ranks: no allocator to ask
+            assert rank[name]["allocated_cuda"] is None
             assert len(rank[name]["seconds"]) == STEPS
     # the predicted ratios: optimizer / N (+ padding), ZeRO-2's gradients / N (+ padding)
     ddp, z2 = per_rank[0]["DDP"]["memory"], per_rank[0]["ZeRO-2"]["memory"]
@@ -150,26 +222,26 @@ def test_a_bad_stage_is_refused_with_the_fix() -> None:
         lesson.ZeroTrainer(lesson.make_model(WIDTH, DEPTH), env, 1e-3, stage=3)
 
 
-def _no_backward(env: DistEnv) -> None:
-    trainer = lesson.ZeroTrainer(lesson.make_model(WIDTH, DEPTH), env, 1e-3)
-    trainer.step()  # no backward before: no gradients to exchange
-
-
-def test_a_step_without_gradients_fails_on_every_rank_instead_of_hanging() -> None:
-    with pytest.raises(WorkerError) as failed:
-        launch(_no_backward, 2, device="cpu", echo=False, timeout=30)
-    assert "call loss.backward() before step()" in failed.value.details
-
-
 @pytest.mark.multigpu
 def test_zero_equals_ddp_over_nccl() -> None:
-    """One GPU per rank: NCCL's collectives; the allocator's peak is reported per trainer."""
+    """One GPU per rank: NCCL's collectives. The gradient check (with the tolerance, NCCL
+    sums in its own order) passes and rejects the missing division; per trainer, the
+    allocator's own peak (above what existed before the trainer) holds at least the counted
+    model state, and ZeRO-2 still holds less than DDP after its step."""
     per_rank = launch(run, place(2, "cuda"), echo=False, timeout=120)
-    ddp = per_rank[0]["DDP"]
+    ddp = per_rank[0]["runs"]["DDP"]
     for name in ("ZeRO-1", "ZeRO-2"):
         for key, value in ddp["state"].items():
-            torch.testing.assert_close(per_rank[0][name]["state"][key], value, rtol=0, atol=1e-5)
+            mine = per_rank[0]["runs"][name]["state"][key]
+            torch.testing.assert_close(mine, value, rtol=0, atol=1e-5)
     shard, _ = lesson.shard_layout(N_PARAMS, 2)
     for rank in per_rank:
-        assert rank["ZeRO-2"]["memory"]["gradients"] == 4 * shard
-        assert all(rank[n]["peak_cuda"] > 0 for n in TRAINERS)
+        runs = rank["runs"]
+        assert runs["ZeRO-2"]["memory"]["gradients"] == 4 * shard
+        for name in TRAINERS:
+            assert runs[name]["peak_cuda"] >= sum(runs[name]["memory"].values()), (name, runs[name])
+        assert runs["ZeRO-2"]["allocated_cuda"] < runs["DDP"]["allocated_cuda"]
+        for name in ("ZeRO-1", "ZeRO-2"):
+            assert rank["lockstep"][name]["gradient ok"] == [True] * STEPS, rank["lockstep"][name]
+        for name in ("no division 1", "no division 2"):
+            assert rank["lockstep"][name]["gradient ok"] == [False] * STEPS, name
