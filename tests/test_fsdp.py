@@ -2,9 +2,10 @@
 
 The code is the lesson's own, read from its notebook (``load_lesson_code``), on a narrower model
 (WIDTH=32) so that the tests stay fast. One launch per world size: 2 ranks run section 3's tour
-(shapes, gradients, the traced steps) and train DDP, FSDP2 and FSDP2 in bf16 side by side; 3
-ranks (rows that do not divide evenly, float32 sums that may round differently) train DDP and
-FSDP2 again. Activation checkpointing runs in this process.
+(shapes, gradients, the traced steps), section 4's checkpointed FSDP2 step, and train DDP, FSDP2
+and FSDP2 in bf16 side by side; 3 ranks (rows that do not divide evenly, so padding, and float32
+sums that may round differently) run the tour and train DDP and FSDP2 again. Activation
+checkpointing on its own runs in this process.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -52,8 +53,8 @@ NAMES = (
     "Block", "Net", "make_model", "make_batch",
     "DDPTrainer", "train_worker",  # section 2
     "make_mesh", "apply_fsdp", "shard_shapes", "traced_step", "fsdp_tour", "FSDPTrainer",
-    "FP32_ATOL", "BF16_RTOL",  # section 3
-    "Checkpointed", "with_checkpointing",  # section 4
+    "FP32_ATOL", "FP32_OUTLIERS", "BF16_RTOL",  # section 3
+    "Checkpointed", "with_checkpointing", "checkpointed_fsdp",  # section 4
     "fsdp_local_rows", "test_fsdp_local_rows",  # exercise 2
 )  # fmt: skip
 lesson = load_lesson_code("08", NAMES, NAMESPACE, folder=ROOT / "notebooks")
@@ -67,9 +68,10 @@ TRAINERS = {
 TRAINERS_2 = ("DDP", "FSDP2")  # fp32 only: the 3-rank launch trains these two
 
 
-def tour_and_training(env: DistEnv, tour: bool, trainers: dict) -> dict:
-    """Section 3's tour (if asked) and train_worker over ``trainers``, in one launch."""
-    result = {"tour": lesson.fsdp_tour(env) if tour else None}
+def tour_and_training(env: DistEnv, composed: bool, trainers: dict) -> dict:
+    """Section 3's tour, section 4's checkpointed FSDP2 (if asked), train_worker: one launch."""
+    result = {"tour": lesson.fsdp_tour(env)}
+    result["composed"] = lesson.checkpointed_fsdp(env) if composed else None
     result["shapes"] = lesson.shard_shapes(
         lesson.apply_fsdp(lesson.make_model().to(env.device), lesson.make_mesh(env))
     )
@@ -85,7 +87,7 @@ def two_ranks() -> list[dict]:
 @pytest.fixture(scope="module")
 def three_ranks() -> list[dict]:
     trainers = {k: TRAINERS[k] for k in TRAINERS_2}
-    return launch(tour_and_training, 3, False, trainers, device="cpu", echo=False, timeout=60)
+    return launch(tour_and_training, 3, False, trainers, device="cpu", echo=False, timeout=90)
 
 
 def loss_gaps(runs: dict, name: str) -> list[float]:
@@ -94,9 +96,12 @@ def loss_gaps(runs: dict, name: str) -> list[float]:
     return [abs(loss - ddp) / ddp for loss, ddp in pairs]
 
 
-def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+def within_fp32_tolerance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Section 3.5's check: all but FP32_OUTLIERS within FP32_ATOL, none past 2·LR·steps."""
     assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+    diffs = torch.cat([(a[k] - b[k]).abs().flatten() for k in b])
+    outliers = (diffs > lesson.FP32_ATOL).float().mean().item()
+    return outliers <= lesson.FP32_OUTLIERS and diffs.max().item() <= 2 * NAMESPACE["LR"] * STEPS
 
 
 def test_fsdp2_float32_equals_ddp_bit_for_bit_on_two_ranks(two_ranks: list[dict]) -> None:
@@ -116,7 +121,8 @@ def test_fsdp2_bf16_follows_ddp_within_the_stated_tolerance(two_ranks: list[dict
 
 def test_fsdp2_float32_within_tolerance_on_three_ranks(three_ranks: list[dict]) -> None:
     runs = three_ranks[0]["runs"]
-    assert largest_difference(runs["FSDP2"]["state"], runs["DDP"]["state"]) <= lesson.FP32_ATOL
+    assert within_fp32_tolerance(runs["FSDP2"]["state"], runs["DDP"]["state"])
+    assert three_ranks[0]["tour"]["grad_diff"] < 1e-5  # averaged over 3 ranks, not summed
 
 
 def test_fsdp2_memory_is_ddps_over_n(two_ranks: list[dict], three_ranks: list[dict]) -> None:
@@ -144,6 +150,9 @@ def test_shards_follow_torch_chunk_with_padded_storage(
 
 def test_the_tour_checks_gradients_and_traces_the_collectives(two_ranks: list[dict]) -> None:
     tour = two_ranks[0]["tour"]
+    inside = tour["inside"][True]  # a reduce-scatter: over gloo a sum, then FSDP2 divides by N
+    assert "c10d::_reduce_scatter_base_" in inside
+    assert ("aten::div_" in inside) == hasattr(FSDPModule, "set_force_sum_reduction_for_comms")
     assert tour["grad_diff"] < 1e-5  # averaged, not summed: one process on the global batch
     uneven = [r["tour"]["shapes"][f"Linear({WIDTH}, 5).weight"] for r in two_ranks]
     assert [(local[0], storage) for _, local, storage in uneven] == [(3, 3), (2, 3)]
@@ -154,7 +163,35 @@ def test_the_tour_checks_gradients_and_traces_the_collectives(two_ranks: list[di
         late = [e for e in tour["traces"][reshard] if e[0] == "all-gather" and e[2] >= backward[2]]
         assert len(late) == gathers - (DEPTH + 1)  # in backward: the blocks again, or nothing
     block_bytes = sum(p.numel() * 4 for p in lesson.make_model().blocks.parameters())
-    assert tour["held"] == {True: 0, False: block_bytes}
+    assert tour["held"] == {True: 0, False: block_bytes}  # 32 and 128 rows: no padding on 2 ranks
+
+
+def test_the_blocks_hold_padded_all_gather_outputs_on_three_ranks(three_ranks: list[dict]) -> None:
+    # 32 rows become 33 on 3 ranks, 128 become 129: what section 3.3's cell asserts exactly
+    params = list(lesson.make_model().blocks.parameters())
+    padded = sum(-(-p.shape[0] // 3) * 3 * p[0].numel() * 4 for p in params)
+    assert padded > sum(p.numel() * 4 for p in params)
+    assert three_ranks[0]["tour"]["held"] == {True: 0, False: padded}
+
+
+def test_checkpointing_composes_with_fsdp2(two_ranks: list[dict]) -> None:
+    composed = two_ranks[0]["composed"]
+    assert composed["gathers"] == {0: 2 * DEPTH + 1, 1: 2 * DEPTH + 1}  # no extra collective
+    for a, b in zip(composed["grads"][1], composed["grads"][0], strict=True):
+        assert torch.equal(a, b)
+    assert "blocks.0.block.up.weight" in composed["names"][1]  # the wrapper renames
+    assert "blocks.0.up.weight" in composed["names"][0]
+
+
+def test_fsdp_trainer_refuses_bf16_on_a_gpu_without_bf16_units(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a T4 (compute capability 7.5): refused before anything touches the GPU
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    env = DistEnv(0, 0, 2, torch.device("cuda:0"), "nccl")
+    with pytest.raises(RuntimeError, match="use mp=False on this GPU"):
+        lesson.FSDPTrainer(lesson.make_model(), env, 1e-3, mp=True)
 
 
 @pytest.mark.parametrize(
@@ -220,27 +257,35 @@ def test_exercise_2_passes_the_solution_and_fails_the_stub_and_wrong_answers(
 
 @pytest.mark.gpu
 def test_checkpointing_lowers_the_peak_on_a_gpu() -> None:
-    device = torch.device("cuda:0")
-    x, y = (t.to(device) for t in lesson.make_batch(0, 0, 512))
+    device, batch, width = torch.device("cuda:0"), 512, 256
+    x, y = (t.to(device) for t in lesson.make_batch(0, 0, batch))
     peaks = {}
-    for every in (0, 1):
-        model = lesson.with_checkpointing(lesson.make_model(), every).to(device)
+    for every in (1, 0):  # checkpointed first: a one-off allocation would favour no checkpointing
+        model = lesson.with_checkpointing(lesson.make_model(width), every).to(device)
+        F.cross_entropy(model(x), y).backward()  # warm-up: cuBLAS's workspace, the gradients
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         F.cross_entropy(model(x), y).backward()
         torch.cuda.synchronize(device)
         peaks[every] = torch.cuda.max_memory_allocated(device) - before
-    saved = 4 * DEPTH * (9 * 512 * WIDTH + 2 * 512)  # what checkpointing does not keep
-    assert peaks[0] - peaks[1] >= 0.25 * saved, peaks  # recomputation needs one block's back
+        del model
+    saved = 4 * DEPTH * (9 * batch * width + 2 * batch)  # what checkpointing does not keep
+    # recomputation needs one block's activations back at a time; never more than all it dropped
+    assert 0.25 * saved <= peaks[0] - peaks[1] <= saved, (peaks, saved)
 
 
 @pytest.mark.multigpu
 def test_fsdp2_trains_like_ddp_on_two_gpus() -> None:
-    results = launch(tour_and_training, 2, False, TRAINERS, device="cuda", echo=False, timeout=120)
+    bf16 = torch.cuda.get_device_capability(0) >= (8, 0)  # a T4 or V100 only emulates bf16
+    trainers = TRAINERS if bf16 else {k: TRAINERS[k] for k in TRAINERS_2}
+    results = launch(tour_and_training, 2, False, trainers, device="cuda", echo=False, timeout=120)
     runs = results[0]["runs"]
-    assert largest_difference(runs["FSDP2"]["state"], runs["DDP"]["state"]) <= lesson.FP32_ATOL
-    assert max(loss_gaps(runs, "FSDP2 bf16")) <= lesson.BF16_RTOL
+    assert within_fp32_tolerance(runs["FSDP2"]["state"], runs["DDP"]["state"])
+    if bf16:
+        assert max(loss_gaps(runs, "FSDP2 bf16")) <= lesson.BF16_RTOL
+    for r in results:  # the allocator's peak: FSDP2 below DDP on every GPU
+        assert r["runs"]["FSDP2"]["peak_cuda"] < r["runs"]["DDP"]["peak_cuda"]
     for r in results:  # each GPU holds half of DDP's model state, plus padding
         ddp, fsdp = (sum(r["runs"][k]["memory"].values()) for k in ("DDP", "FSDP2"))
         assert ddp / 2 <= fsdp <= 1.10 * ddp / 2
