@@ -1,8 +1,10 @@
 """Lesson 08, section 5: a sharded checkpoint (torch.distributed.checkpoint) saved on 2 ranks
 loads on 3 ranks and on 1 (one process without a process group: the model for inference, and
 model and Adam together, exercise 3's solution), with the saved state bit for bit and training
-going on as on 2 ranks; a checkpoint of another model is refused with a clear message;
-exercise 3's check tells its solution from a stub and from a plausible wrong answer.
+going on as on 2 ranks; the rank-0 full state dict, broadcast from rank 0, loads on 3 ranks too;
+a checkpoint of another model, of a model that is not the lesson's, and a folder without a
+checkpoint are refused with a clear message; exercise 3's check tells its solution from a stub
+and from two plausible wrong answers.
 
 The code is the lesson's own, read from its notebook (``load_lesson_code``), on a narrow model
 (WIDTH=32, DEPTH=2): two launches (save on 2 ranks, load on 3). Real processes over gloo, real
@@ -14,6 +16,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -24,10 +27,13 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -42,7 +48,7 @@ from mgpu_helpers.timing import measure_alternating
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = (
-    "Block", "Net", "make_model", "make_batch", "FULL_ON_RANK0", "RESUME_ATOL",
+    "Block", "Net", "make_model", "make_batch", "FULL_ON_RANK0", "FROM_RANK0", "RESUME_ATOL",
     "make_mesh", "apply_fsdp", "batch_share", "train_steps", "save_worker", "load_worker",
     "differing_tensors", "saved_model_shape", "load_for_inference",
     "resume_in_one_process", "test_resume_in_one_process",
@@ -52,10 +58,13 @@ NAMES = (
 NAMESPACE = {
     "WIDTH": 32, "DEPTH": 2, "BATCH_SIZE": 8, "LR": 1e-3, "SEED": 0, "IN_FEATURES": 64,
     "CLASSES": 10, "torch": torch, "nn": nn, "F": F, "dist": dist, "DistEnv": DistEnv,
-    "Path": Path, "copy": copy, "itertools": itertools, "warnings": warnings, "dcp": dcp,
+    "Path": Path, "copy": copy, "itertools": itertools, "os": os, "warnings": warnings, "dcp": dcp,
+    "TensorStorageMetadata": TensorStorageMetadata,
     "CheckpointException": CheckpointException, "StateDictOptions": StateDictOptions,
     "get_model_state_dict": get_model_state_dict, "get_state_dict": get_state_dict,
     "set_state_dict": set_state_dict, "init_device_mesh": init_device_mesh,
+    "set_model_state_dict": set_model_state_dict,
+    "set_optimizer_state_dict": set_optimizer_state_dict,
     "fully_shard": fully_shard, "measure_alternating": measure_alternating, "math": math,
     "DeviceMesh": DeviceMesh, "MixedPrecisionPolicy": MixedPrecisionPolicy,
     # what exercise 3's check reads from section 5's cells; the fixture below fills them in
@@ -68,7 +77,7 @@ STEPS, RESUME = 2, 2  # steps before the checkpoint, steps after it
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Saved on 2 ranks (with the rank-0 full state dict beside it), then loaded on 3."""
+    """Saved on 2 ranks (with the rank-0 full state dict beside it), then loaded on 3 (both)."""
     folder = tmp_path_factory.mktemp("lesson08")
     dcp_dir, full_path = folder / "sharded", folder / "full.pt"
     probe = lesson.make_batch(0, 1000)[0]
@@ -77,8 +86,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
         echo=False, timeout=60,
     )[0]  # fmt: skip
     resumed = launch(
-        lesson.load_worker, place(3, "cpu"), dcp_dir, STEPS, RESUME, 2, echo=False, timeout=60
-    )[0]
+        lesson.load_worker, place(3, "cpu"), dcp_dir, full_path, STEPS, RESUME, 2, echo=False,
+        timeout=60,
+    )[0]  # fmt: skip
     state = torch.load(full_path, weights_only=True)
     # what exercise 3's check reads from the notebook's section 5
     NAMESPACE.update(
@@ -102,6 +112,8 @@ def test_loads_on_three_ranks_and_trains_on_alike(run: dict) -> None:
     # parameters, exp_avg, exp_avg_sq and step: bit for bit the state saved on 2 ranks
     assert lesson.differing_tensors(resumed["loaded"], run["state"]) == []
     assert resumed["loaded"]["optim"]["state"]["head.bias"]["step"].item() == STEPS
+    # the rank-0 file, broadcast onto 3 ranks by set_state_dict: the same state, bit for bit
+    assert lesson.differing_tensors(resumed["from_full"], run["state"]) == []
     for key, value in run["saved"]["continued"].items():
         gap = (resumed["continued"][key] - value).abs().max().item()
         assert gap <= lesson.RESUME_ATOL, f"{key}: {gap:.1e} after resuming on 3 ranks"
@@ -153,6 +165,23 @@ def test_a_checkpoint_of_another_model_is_refused_clearly(
     assert "Build the model with width=32, depth=2" in message
 
 
+def test_a_foreign_checkpoint_or_an_empty_folder_is_refused_clearly(tmp_path: Path) -> None:
+    """Not the lesson's Net (a plain nn.Linear, saved in this process), and no checkpoint."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dcp.save without a process group: the one-process warning
+        dcp.save({"model": nn.Linear(4, 3).state_dict()}, checkpoint_id=tmp_path / "linear")
+    assert lesson.saved_model_shape(tmp_path / "linear") is None
+    with pytest.raises(ValueError) as refused:
+        lesson.load_for_inference(tmp_path / "linear")
+    message = str(refused.value)
+    assert "not a checkpoint of lesson 08's Net" in message and "Traceback" not in message
+    assert "Missing key" in message and "model.bias, model.weight" in message
+    (tmp_path / "empty").mkdir()
+    for folder in (tmp_path / "empty", tmp_path / "absent"):
+        with pytest.raises(ValueError, match="no finished DCP checkpoint"):
+            lesson.load_for_inference(folder)
+
+
 def _verdict(capsys: pytest.CaptureFixture[str], answer) -> tuple[bool, str]:
     """Exercise 3's check run against ``answer`` in place of the learner's function."""
     NAMESPACE["resume_in_one_process"] = answer
@@ -182,6 +211,18 @@ def test_exercise_3_passes_the_solution_and_fails_a_stub_and_a_wrong_answer(
     passed, out = _verdict(capsys, model_only)
     assert not passed and "Adam's state differs" in out
 
+    def flat(dcp_dir: Path):  # the model's state dict, not nested under "model": DCP refuses it
+        model = lesson.make_model()
+        state = model.state_dict()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the one-process warning
+            dcp.load(state, checkpoint_id=dcp_dir)
+        return model, torch.optim.Adam(model.parameters(), lr=NAMESPACE["LR"])
+
+    passed, out = _verdict(capsys, flat)  # a CheckpointException (a BaseException) escaped before
+    assert not passed and "dcp.load refused your template" in out
+    assert "Missing key in checkpoint state_dict: " in out and "'model' and 'optim'" in out
+
 
 @pytest.mark.gpu
 def test_saved_on_a_gpu_it_loads_in_one_cpu_process(tmp_path: Path) -> None:
@@ -210,10 +251,12 @@ def test_saved_on_two_gpus_it_loads_on_one(tmp_path: Path) -> None:
         echo=False, timeout=120,
     )[0]  # fmt: skip
     resumed = launch(
-        lesson.load_worker, place(1, "cuda"), dcp_dir, STEPS, RESUME, 2, echo=False, timeout=120
-    )[0]
+        lesson.load_worker, place(1, "cuda"), dcp_dir, full_path, STEPS, RESUME, 2, echo=False,
+        timeout=120,
+    )[0]  # fmt: skip
     state = torch.load(full_path, weights_only=True)
     assert lesson.differing_tensors(resumed["loaded"], state) == []
+    assert lesson.differing_tensors(resumed["from_full"], state) == []  # broadcast from rank 0
     for key, value in saved["continued"].items():
         torch.testing.assert_close(
             resumed["continued"][key], value, rtol=0, atol=lesson.RESUME_ATOL
