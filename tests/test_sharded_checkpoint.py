@@ -43,7 +43,7 @@ from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.exercises import check
 from mgpu_helpers.launch import launch
 from mgpu_helpers.lesson_code import load_lesson_code
-from mgpu_helpers.placement import place
+from mgpu_helpers.placement import Placement, place
 from mgpu_helpers.timing import measure_alternating
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,21 +75,30 @@ lesson = load_lesson_code("08", NAMES, NAMESPACE, folder=ROOT / "notebooks")
 STEPS, RESUME = 2, 2  # steps before the checkpoint, steps after it
 
 
+def save_then_load(folder: Path, saving: Placement, loading: Placement, timeout: float = 60):
+    """Section 5's two launches: train and save on `saving`'s ranks, load and train on `loading`'s.
+
+    Returns the checkpoint folder, the probe batch, rank 0's results of both launches and the
+    rank-0 full state dict saved beside the sharded checkpoint.
+    """
+    dcp_dir, full_path = folder / "sharded", folder / "full.pt"
+    probe = lesson.make_batch(0, 1000)[0]
+    saved = launch(
+        lesson.save_worker, saving, dcp_dir, full_path, STEPS, RESUME, probe, 1, echo=False,
+        timeout=timeout,
+    )[0]  # fmt: skip
+    resumed = launch(
+        lesson.load_worker, loading, dcp_dir, full_path, STEPS, RESUME, 2, echo=False,
+        timeout=timeout,
+    )[0]  # fmt: skip
+    return dcp_dir, probe, saved, resumed, torch.load(full_path, weights_only=True)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Saved on 2 ranks (with the rank-0 full state dict beside it), then loaded on 3 (both)."""
     folder = tmp_path_factory.mktemp("lesson08")
-    dcp_dir, full_path = folder / "sharded", folder / "full.pt"
-    probe = lesson.make_batch(0, 1000)[0]
-    saved = launch(
-        lesson.save_worker, place(2, "cpu"), dcp_dir, full_path, STEPS, RESUME, probe, 1,
-        echo=False, timeout=60,
-    )[0]  # fmt: skip
-    resumed = launch(
-        lesson.load_worker, place(3, "cpu"), dcp_dir, full_path, STEPS, RESUME, 2, echo=False,
-        timeout=60,
-    )[0]  # fmt: skip
-    state = torch.load(full_path, weights_only=True)
+    dcp_dir, probe, saved, resumed, state = save_then_load(folder, place(2, "cpu"), place(3, "cpu"))
     # what exercise 3's check reads from the notebook's section 5
     NAMESPACE.update(
         dcp_dir=dcp_dir, saved_state=state, save_run=saved, steps=STEPS, resume_steps=RESUME,
@@ -244,17 +253,9 @@ def test_saved_on_a_gpu_it_loads_in_one_cpu_process(tmp_path: Path) -> None:
 @pytest.mark.multigpu
 def test_saved_on_two_gpus_it_loads_on_one(tmp_path: Path) -> None:
     """Two GPU ranks (NCCL) save, one GPU rank loads: the state bit for bit, training alike."""
-    probe = lesson.make_batch(0, 1000)[0]
-    dcp_dir, full_path = tmp_path / "sharded", tmp_path / "full.pt"
-    saved = launch(
-        lesson.save_worker, place(2, "cuda"), dcp_dir, full_path, STEPS, RESUME, probe, 1,
-        echo=False, timeout=120,
-    )[0]  # fmt: skip
-    resumed = launch(
-        lesson.load_worker, place(1, "cuda"), dcp_dir, full_path, STEPS, RESUME, 2, echo=False,
-        timeout=120,
-    )[0]  # fmt: skip
-    state = torch.load(full_path, weights_only=True)
+    _, _, saved, resumed, state = save_then_load(
+        tmp_path, place(2, "cuda"), place(1, "cuda"), timeout=120
+    )
     assert lesson.differing_tensors(resumed["loaded"], state) == []
     assert lesson.differing_tensors(resumed["from_full"], state) == []  # broadcast from rank 0
     for key, value in saved["continued"].items():
