@@ -13,7 +13,7 @@ GRADING_STAMP := $(GRADING)/.installed
 # Cloud images and containers often log in as root, which JupyterLab refuses without this flag.
 ROOT_FLAG  := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: envs lab course test test-fast student doctor lint benchmark grading-env clean
+.PHONY: envs lab course test test-settings test-fast student doctor lint benchmark grading-env clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,7 +49,11 @@ envs:
 
 test: envs  ## lint, unit tests, every notebook in quick mode, nbgrader
 	$(BIN)/ruff check .
-	MGPU_NBGRADER=$(abspath $(GRADING))/bin/nbgrader $(BIN)/pytest
+	MGPU_NBGRADER=$(abspath $(GRADING))/bin/nbgrader $(BIN)/pytest -m "not settings"
+
+# Every lesson again on each other DATASET and MODEL its parameters cell offers (CI runs it too).
+test-settings: $(STAMP)  ## every lesson on each DATASET/MODEL setting, quick mode
+	$(BIN)/pytest -m settings tests/test_notebooks.py
 
 test-fast: $(STAMP)  ## lint and unit tests, no notebooks and no nbgrader (for iterating)
 	$(BIN)/ruff check .

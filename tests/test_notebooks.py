@@ -175,6 +175,7 @@ def parameter_choices(source: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.notebook
+@pytest.mark.settings  # `make test-settings` (CI runs it after `make test`)
 @pytest.mark.parametrize(("path", "params"), SETTING_CASES)
 def test_lesson_passes_on_each_setting(
     path: Path, params: dict, offline_data: dict[str, str], tmp_path: Path, monkeypatch
