@@ -39,6 +39,7 @@ from mgpu_helpers.util import write_json  # noqa: E402
 
 BENCHMARKS = (
     "loop_overhead", "launch_overhead", "pipeline", "ddp_from_scratch", "allreduce", "sharding",
+    "parallelisms",
 )  # fmt: skip
 
 
@@ -245,6 +246,69 @@ def _plot_sharding(r: Mapping) -> Figure:
     return fig
 
 
+def _parallelisms(r: Mapping) -> list[Headline]:
+    """Each method's speed-up over one device (the pipelines against their bubble's ideal,
+    S M / (M + S - 1)), and the model state per rank of the splits against DDP's.
+
+    No target: on CPU processes that share cores the times measure the waiting (the JSON's
+    ``timings_meaningful`` says so); the memory ratios are exact tensor counts.
+    """
+    res, rows = r["results"], []
+    for name in r["methods"]:
+        if name == "one device":
+            continue
+        what = f"{name}: speed-up over one device, N={r['world_size']}"
+        if "ideal_speedup" in res[name]:
+            rows.append(
+                Headline(
+                    "parallelisms", what, res[name]["speedup"], res[name]["ideal_speedup"], "ideal"
+                )
+            )
+        else:
+            rows.append(Headline("parallelisms", what, res[name]["speedup"], None, "report"))
+    ddp = res["DDP"]["memory"]["total"]
+    rows += [
+        Headline(
+            "parallelisms",
+            f"{name}: model state per rank / DDP's",
+            res[name]["memory"]["total"] / ddp,
+            None,
+            "report",
+        )
+        for name in r["methods"]
+        if name not in ("one device", "DDP")
+    ]
+    return rows
+
+
+def _plot_parallelisms(r: Mapping) -> Figure:
+    """Step time (median, range of rounds), model state and bytes sent per rank, per method."""
+    res, names = r["results"], r["methods"]
+    fig = Figure(figsize=(13, 4))
+    speed, memory, traffic = fig.subplots(1, 3)
+    med = [res[n]["median_s"] * 1e3 for n in names]
+    low = [m - min(res[n]["seconds_per_round"]) * 1e3 for m, n in zip(med, names, strict=True)]
+    high = [max(res[n]["seconds_per_round"]) * 1e3 - m for m, n in zip(med, names, strict=True)]
+    colors = [f"C{i}" for i in range(len(names))]
+    speed.bar(names, med, color=colors)
+    speed.errorbar(range(len(names)), med, [low, high], fmt="none", ecolor="black", capsize=4)
+    title = "ms per step (median, range)" + ("" if r["timings_meaningful"] else ": NOISY")
+    speed.set(title=title, ylabel="ms")
+    bottom = [0.0] * len(names)
+    for kind, hatch in (("parameters", ""), ("gradients", "//"), ("optimizer", "..")):
+        part = [res[n]["memory"][kind] / 2**20 for n in names]
+        memory.bar(names, part, bottom=bottom, color=colors, hatch=hatch, edgecolor="white")
+        bottom = [b + p for b, p in zip(bottom, part, strict=True)]
+    memory.set(title="model state per rank (params, //grads, ..Adam)", ylabel="MiB")
+    traffic.bar(names, [res[n]["comm"]["sent_per_rank"] / 2**20 for n in names], color=colors)
+    traffic.set(title="sent per rank per step (from shapes)", ylabel="MiB")
+    for ax in (speed, memory, traffic):
+        ax.tick_params(axis="x", labelrotation=30)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
 Reader = tuple[Callable[[Mapping], list[Headline]], Callable[[Mapping], Figure]]
 READERS: dict[str, Reader] = {
     "loop_overhead": (_loop_overhead, _plot_loop_overhead),
@@ -253,6 +317,7 @@ READERS: dict[str, Reader] = {
     "ddp_from_scratch": (_ddp_from_scratch, _plot_ddp_from_scratch),
     "allreduce": (_allreduce, _plot_allreduce),
     "sharding": (_sharding, _plot_sharding),
+    "parallelisms": (_parallelisms, _plot_parallelisms),
 }
 
 

@@ -1,0 +1,189 @@
+"""Lesson 09, section 4 and exercise 3: FSDP2 x tensor parallelism on a 2-D mesh, choosing a mesh.
+
+The code is the lesson's own, read from its notebook (``load_lesson_code``), on a smaller model
+(WIDTH=32, DEPTH=2, SEQ=8) so that the test stays fast. One launch of 4 gloo processes trains
+the 2 x 2 mesh twice: as the lesson does (each dp row its own batch), and wrongly, with both rows
+given the same batch: the first must train like one device on the global batch within the
+lesson's tolerance, the second must fail the same check (so the check can fail).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from mgpu_helpers.devices import gpu_count
+from mgpu_helpers.dist_env import DistEnv
+from mgpu_helpers.exercises import check
+from mgpu_helpers.launch import launch
+from mgpu_helpers.lesson_code import load_lesson_code
+from mgpu_helpers.memory import tensor_bytes
+from mgpu_helpers.placement import place
+from mgpu_helpers.progress import progress_bar
+
+ROOT = Path(__file__).resolve().parents[1]
+WIDTH, DEPTH, STEPS = 32, 2, 2
+NAMESPACE = {
+    "ColwiseParallel": ColwiseParallel, "CommDebugMode": CommDebugMode, "DeviceMesh": DeviceMesh,
+    "DistEnv": DistEnv, "F": F, "PrepareModuleInput": PrepareModuleInput,
+    "PrepareModuleOutput": PrepareModuleOutput, "Replicate": Replicate,
+    "RowwiseParallel": RowwiseParallel, "SequenceParallel": SequenceParallel, "Shard": Shard,
+    "check": check, "dist": dist, "fully_shard": fully_shard, "init_device_mesh": init_device_mesh,
+    "math": math, "nn": nn, "nullcontext": nullcontext, "parallelize_module": parallelize_module,
+    "progress_bar": progress_bar, "tensor_bytes": tensor_bytes, "time": time, "torch": torch,
+    "warnings": warnings,
+    # the head's parameters, smaller: default arguments are bound when the code is loaded
+    "WIDTH": WIDTH, "HEADS": 4, "DEPTH": DEPTH, "SEQ": 8, "BATCH_SIZE": 4, "LR": 1e-3, "SEED": 0,
+    "IN_FEATURES": 16, "CLASSES": 10,
+}  # fmt: skip
+NAMES = (
+    "Attention", "FeedForward", "Layer", "Net", "make_model", "make_batch",  # the head
+    "make_mesh", "collective_name", "counted", "apply_tp",  # sections 1 and 2
+    "PARAM_ATOL",  # section 3
+    "apply_2d", "SHOWN", "BLOCKS", "train_2d", "LOSS_RTOL", "OUTLIERS", "one_device",
+    "compare_runs", "locate", "traffic",  # section 4
+    "choose_mesh", "test_choose_mesh",  # exercise 3
+)  # fmt: skip
+lesson = load_lesson_code("09", NAMES, NAMESPACE, folder=ROOT / "notebooks")
+
+
+def right_and_wrong(env: DistEnv, steps: int) -> dict:
+    """The lesson's training, then the wrong set-up (both dp rows on batch 0): one launch."""
+    return {"right": lesson.train_2d(env, steps), "same batch": lesson.train_2d(env, steps, True)}
+
+
+@pytest.fixture(scope="module")
+def mesh_runs() -> list[dict]:
+    return launch(right_and_wrong, 4, STEPS, device="cpu", echo=False, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return lesson.one_device(STEPS)
+
+
+def test_the_2d_mesh_trains_like_one_device_within_the_tolerance(
+    mesh_runs: list[dict], reference: dict
+) -> None:
+    runs = [r["right"] for r in mesh_runs]
+    assert [r["coords"] for r in runs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["losses"] == runs[0]["losses"] for r in runs)  # every rank: the global loss
+    result = lesson.compare_runs(runs[0], reference, STEPS)
+    assert result["within"], result
+    assert result["loss_rel"] <= lesson.LOSS_RTOL and result["outliers"] == 0.0  # CPU: none
+    assert result["largest"] < lesson.PARAM_ATOL < result["key_bias"]  # only the key biases
+    assert runs[0]["state"] is not None and runs[1]["state"] is None  # rank 0 keeps them
+
+
+def test_the_check_fails_when_both_dp_rows_get_the_same_batch(
+    mesh_runs: list[dict], reference: dict
+) -> None:
+    wrong = lesson.compare_runs(mesh_runs[0]["same batch"], reference, STEPS)
+    assert not wrong["within"]
+    assert wrong["loss_rel"] > 100 * lesson.LOSS_RTOL and wrong["outliers"] > lesson.OUTLIERS
+
+
+def test_what_each_rank_holds(mesh_runs: list[dict]) -> None:
+    runs = [r["right"] for r in mesh_runs]
+    layout = runs[0]["layout"]
+    colwise, rowwise = layout["layers.0.attn.q.weight"], layout["layers.0.attn.out.weight"]
+    assert colwise[0][1] == "Shard(dim=0)" and "(dim=0" in colwise[0][0]  # dp: a strided shard
+    assert colwise[1:] == ((WIDTH, WIDTH), (WIDTH // 4, WIDTH))
+    assert rowwise == (("Shard(dim=0)", "Shard(dim=1)"), (WIDTH, WIDTH), (WIDTH // 2, WIDTH // 2))
+    assert layout["layers.0.attn.out.bias"][0] == ("Shard(dim=0)", "Replicate()")
+    assert layout["embed.weight"][0] == ("Shard(dim=0)",)  # untouched by apply_tp: dp only
+    # bytes: a quarter of the layers and a little more (norms, row-parallel biases: dp only)
+    layers = 4 * sum(p.numel() for p in lesson.make_model().layers.parameters())
+    w = WIDTH
+    expected = (3 * w * w + 4.75 * w) / (12 * w * w + 13 * w)
+    for r in runs:
+        assert r["bytes"]["layers"] / layers == pytest.approx(expected)
+    # the blocks of one matrix, found by value, tile it without overlap
+    full = runs[0]["state"]["layers.0.ff.down.weight"]
+    owner = torch.full(full.shape, -1)
+    for rank, r in enumerate(runs):
+        block = r["blocks"]["layers.0.ff.down.weight"]
+        rows, col = lesson.locate(full, block)
+        assert (owner[rows, col : col + block.shape[1]] == -1).all()
+        owner[rows, col : col + block.shape[1]] = rank
+    assert (owner >= 0).all()
+
+
+def test_tensor_parallel_all_reduces_are_counted(mesh_runs: list[dict]) -> None:
+    comms = mesh_runs[0]["right"]["comms"]
+    assert comms["all-reduce"] == 6 * DEPTH  # forward: out, down; backward: q, k, v, up
+    assert comms["reduce-scatter"] == DEPTH + 1  # FSDP2: a group per layer and the root
+    big = lesson.traffic(8192, 8 * 4096, 2, tp=8, dp=16, tp_allreduces=6)
+    assert big["tensor parallel, per layer"] > big["pipeline, per stage boundary"]
+
+
+def test_make_mesh_refuses_3_by_2_on_4_ranks() -> None:
+    env = DistEnv(rank=0, local_rank=0, world_size=4, device=torch.device("cpu"), backend="gloo")
+    fits = r"(?s)\(3, 2\) does not fit 4 ranks.*shapes that fit: \(4,\), \(2, 2\)"
+    with pytest.raises(ValueError, match=fits):
+        lesson.make_mesh(env, (3, 2), ("dp", "tp"))
+
+
+def test_exercise_3_passes_the_solution_and_fails_the_stub_and_wrong_answers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    lesson.test_choose_mesh()  # the solution passes
+    solution = lesson.choose_mesh
+
+    def stub(*args: object) -> dict:
+        raise NotImplementedError()
+
+    def tp_across_nodes(n_gpus, gpus_per_node, heads, layers, state_bytes, gpu_bytes):  # noqa: ANN001, ANN202
+        """Tensor parallel up to the heads, whatever the node: fits in memory, crosses nodes."""
+        for tp in (t for t in range(1, n_gpus + 1) if n_gpus % t == 0 and heads % t == 0):
+            if state_bytes / tp <= gpu_bytes:
+                return {"dp": n_gpus // tp, "tp": tp, "pp": 1}
+        return solution(n_gpus, gpus_per_node, heads, layers, state_bytes, gpu_bytes)
+
+    def every_gpu_a_replica(*args):  # noqa: ANN002, ANN202
+        """The right split of the model, and dp = n_gpus as well: the product is too large."""
+        got = dict(solution(*args))
+        got["dp"] = args[0]
+        return got
+
+    try:
+        NAMESPACE["choose_mesh"] = stub
+        assert not check("exercise 3", lesson.test_choose_mesh, hint="h")
+        assert "FAIL  exercise 3: not implemented yet" in capsys.readouterr().out
+        NAMESPACE["choose_mesh"] = tp_across_nodes
+        with pytest.raises(AssertionError, match="crosses nodes"):
+            lesson.test_choose_mesh()
+        NAMESPACE["choose_mesh"] = every_gpu_a_replica
+        with pytest.raises(AssertionError, match="dp × tp × pp"):
+            lesson.test_choose_mesh()
+    finally:
+        NAMESPACE["choose_mesh"] = solution
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(gpu_count() < 4, reason="the 2 x 2 mesh on GPUs needs 4 of them")
+def test_the_2d_mesh_trains_like_one_device_on_four_gpus(reference: dict) -> None:
+    runs = launch(lesson.train_2d, place(4, "cuda"), STEPS, echo=False, timeout=120)
+    result = lesson.compare_runs(runs[0], reference, STEPS)  # the reference: one CPU process
+    assert result["within"], result
