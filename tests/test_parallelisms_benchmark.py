@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from benchmark_run import ROOT, load_benchmark, run_benchmark
 
+from mgpu_helpers.devices import gpu_count
+
 run_all = load_benchmark("run_all")
 DEPTH = 4  # --quick's
 
@@ -103,3 +105,19 @@ def test_the_benchmark_runs_lesson_09s_own_code() -> None:
     for name in ("apply_tp", "make_stage", "pipeline_step", "apply_2d", "make_model"):
         assert getattr(benchmark.lesson, name).__code__.co_filename.startswith(notebook), name
     assert getattr(benchmark, "apply_tp", None) is None  # no copy of its own
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(gpu_count() < 4, reason="the benchmark's 4 ranks on GPUs need 4 of them")
+def test_quick_run_on_four_gpus_measures_the_allocator(tmp_path: Path) -> None:
+    out = tmp_path / "parallelisms.json"
+    args = ("--quick", "--device", "cuda", "--out", str(out))
+    done = run_benchmark("parallelisms", *args, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["placement"]["backend"] == "nccl" and data["crowded"] is False
+    res = data["results"]
+    assert all(res[name]["peak_cuda"] for name in data["methods"])
+    # a quarter of the model state per GPU, as on the CPU: exact tensor counts
+    for name in ("TP", "GPipe", "1F1B", "dp x tp"):
+        assert res[name]["memory"]["total"] < 0.35 * res["DDP"]["memory"]["total"], name
