@@ -38,7 +38,7 @@ machine, not GPU speed.
     PYTHONPATH=. python benchmarks/parallelisms.py --quick --out /tmp/parallelisms.json
 
 Ranks: one GPU each (NCCL) when there are at least --world-size GPUs, else CPU processes over
-gloo.
+gloo. With 2 or 3 GPUs, --world-size 2 runs on them, without the dp x tp row (it needs 4).
 """
 
 from __future__ import annotations
