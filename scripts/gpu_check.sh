@@ -18,7 +18,8 @@
 #   RESULTS_DIR/steps.txt                 each step's exit status (or "skipped") and seconds
 #   RESULTS_DIR/<step>.txt                each step's output: doctor, lessons, gpu_tests,
 #                                         loop_overhead, launch_overhead, pipeline,
-#                                         ddp_from_scratch, allreduce
+#                                         ddp_from_scratch, allreduce, sharding,
+#                                         parallelisms
 #   RESULTS_DIR/<benchmark>.json          the benchmarks' measurements
 #   RESULTS_DIR/lessons/summary.json      the lessons' mode (kernel or script), the modules this
 #                                         Python has or lacks, and per lesson: status, seconds,
@@ -72,7 +73,8 @@ step lessons "$lessons_limit" "$PY" scripts/lesson_as_script.py run --quick \
   --mode "${LESSON_MODE:-auto}"
 # The test files whose GPU tests need no Jupyter stack (the notebooks run on the CPU in CI);
 # test_torchrun_gpu.py: lesson 07's scripts/train_ddp.py under torchrun, a rank killed; the last
-# four: lesson 08 (memory accounting, ZeRO by hand, FSDP2, sharded checkpoints).
+# four of the line before the last: lesson 08 (memory accounting, ZeRO by hand, FSDP2, sharded
+# checkpoints); the last line: lesson 09 (tensor parallelism, pipeline schedules, the 2-D mesh).
 step gpu_tests 210 "$PY" -m pytest -p no:cacheprovider -q -rs -m "gpu or multigpu" \
   tests/test_data_parallel.py tests/test_ddp.py tests/test_ddp_batchnorm.py tests/test_devices.py \
   tests/test_doctor.py tests/test_devices_extra.py tests/test_launch.py \
@@ -80,7 +82,9 @@ step gpu_tests 210 "$PY" -m pytest -p no:cacheprovider -q -rs -m "gpu or multigp
   tests/test_train.py tests/test_ddp_by_hand.py tests/test_comm.py tests/test_scaling.py \
   tests/test_no_sync.py tests/test_amp.py tests/test_loading.py \
   tests/test_torchrun_gpu.py \
-  tests/test_memory.py tests/test_zero.py tests/test_fsdp.py tests/test_sharded_checkpoint.py
+  tests/test_memory.py tests/test_zero.py tests/test_fsdp.py tests/test_sharded_checkpoint.py \
+  tests/test_tensor_parallel.py tests/test_pipelining.py tests/test_2d_mesh.py \
+  tests/test_parallelisms_benchmark.py
 step loop_overhead 90 "$PY" benchmarks/loop_overhead.py --out "$out/loop_overhead.json"
 # 3 repeats: the benchmark also times bare spawn (each rank imports torch and starts CUDA again)
 step launch_overhead 90 "$PY" benchmarks/launch_overhead.py --repeats 3 \
@@ -95,6 +99,9 @@ step allreduce 60 "$PY" benchmarks/allreduce.py --max-mb 64 --repeats 3 \
 # lesson 08: per-rank memory of DDP, ZeRO-1/2 and FSDP2 at 1, 2 and 4 ranks (ranks beyond the
 # GPUs run as CPU processes), and step time against DDP
 step sharding 60 "$PY" benchmarks/sharding.py --repeats 3 --out "$out/sharding.json"
+# lesson 09: one device, DDP, tensor parallel, GPipe, 1F1B and dp x tp side by side (4 ranks:
+# CPU processes with fewer than 4 GPUs)
+step parallelisms 60 "$PY" benchmarks/parallelisms.py --repeats 3 --out "$out/parallelisms.json"
 echo "== steps:"
 cat "$out/steps.txt"
 echo "results in $out (status $status, $SECONDS s)"
