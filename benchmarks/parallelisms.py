@@ -16,9 +16,10 @@ Each is printed next to its model:
   communication: bytes each rank sends per step, COMPUTED FROM THE SHAPES (a ring all-reduce
     sends 2 (n - 1) / n of its tensor, an all-gather or reduce-scatter (n - 1) / n; a pipeline
     stage sends each micro-batch's boundary activation forward and its gradient back). The
-    number of tensor-parallel all-reduces is COUNTED with CommDebugMode in one step; DDP's
-    all-reduces (issued by its C++ reducer) and the pipeline's point-to-point messages are not
-    seen by CommDebugMode, so those are computed only.
+    all-reduces are COUNTED with CommDebugMode in one step: tensor parallelism's activations,
+    and DDP's gradient buckets (its reducer's c10d.allreduce_ goes through the dispatcher, where
+    CommDebugMode sees it; measured on gloo, torch 2.14). The pipeline's point-to-point messages
+    are not among the collectives CommDebugMode counts, so those are computed only.
   pipelines: the bubble (S - 1) / (M + S - 1) of lesson 05, and the ideal speed-up over one
     device it leaves, S M / (M + S - 1).
 Memory: parameters + gradients + Adam's state each rank holds after a step, counted from the
@@ -214,6 +215,7 @@ def run(env: DistEnv, name: str, sizes: dict, code: object, meshes: dict) -> dic
     for s in range(sizes["steps"]):
         x, y = (t.to(env.device) for t in code.make_batch(how["shard"], s, how["per_rank"]))
         counter = CommDebugMode()
+        synchronize(env.device)  # the batch's copy to the GPU is done before the clock starts
         dist.barrier()  # every rank starts the step together
         start = time.perf_counter()
         if s == 1:  # an untimed step: count what CommDebugMode sees
@@ -274,14 +276,17 @@ def communication(name: str, sizes: dict, n: int, n_params: int, rank0: dict) ->
     def act(samples: int) -> int:  # bytes of one float32 (samples, seq, width) activation
         return samples * t * w * 4
 
-    all_reduces = sum(k for op, k in rank0["counts"].items() if "all_reduce" in op)
+    # functional all_reduce (tensor parallelism) and c10d.allreduce_ (DDP's buckets)
+    all_reduces = sum(
+        k for op, k in rank0["counts"].items() if "all_reduce" in op or "allreduce" in op
+    )
     if name == "one device":
         return {"what": "nothing", "collectives": 0, "bytes_each": 0, "sent_per_rank": 0}
     if name == "DDP":
         grads = n_params * 4
         return {
             "what": "all-reduce of every gradient (in buckets)",
-            "collectives": None,  # DDP's buckets: not seen by CommDebugMode
+            "collectives": all_reduces or None,  # DDP's buckets; None if CommDebugMode missed them
             "bytes_each": grads,
             "sent_per_rank": 2 * (n - 1) / n * grads,
         }
@@ -310,6 +315,10 @@ def communication(name: str, sizes: dict, n: int, n_params: int, rank0: dict) ->
     }
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     n = args.world_size
@@ -322,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"parallelisms: the lesson 09 model, {args.depth} layers of width {args.width}, "
-        f"{args.heads} heads ({n_params / 1e6:.2f}M parameters), {args.seq} tokens a sample, "
+        f"{args.heads} heads ({n_params / 1e6:.2f}M parameters),\n  {args.seq} tokens a sample, "
         f"{args.batch} samples a step in all; torch {torch.__version__}"
     )
     print(f"{args.placement.describe()}")
@@ -359,49 +368,54 @@ def main(argv: list[str] | None = None) -> int:
         res["speedup"] = base / res["median_s"]
 
     head = f"{'ms/step':>9} {'spread':>7} {'speed-up':>9} {'state/rank':>11} {'sent/rank':>10}"
-    print(f"\n{'method':11} {head}  model")
+    print(f"\n{'method':11} {head}")
     for name, res in results.items():
-        comm = res["comm"]
-        if name == "one device":
-            model = "the baseline: no communication"
-        elif name == "DDP":
-            model = (
-                f"all-reduce of {comm['bytes_each'] / 2**20:.2f} MiB of gradients, 2(N-1)/N a rank"
-            )
-        elif name in PIPELINES:
-            model = (
-                f"bubble (S-1)/(M+S-1) = {res['bubble']:.2f} (S={s}, M={m}): "
-                f"ideal speed-up {res['ideal_speedup']:.2f}; {comm['collectives']} messages of "
-                f"{comm['bytes_each'] / 2**10:.0f} KiB"
-            )
-        else:
-            model = f"{comm['collectives']} all-reduces of {comm['bytes_each'] / 2**10:.0f} KiB"
-            model += " + FSDP2: 3 (dp-1) x the rank's shard" if name == "dp x tp" else ""
         print(
             f"{name:11} {res['median_s'] * 1e3:9.2f} {res['spread']:7.0%} {res['speedup']:9.2f} "
-            f"{res['memory']['total'] / 2**20:8.2f} MiB {comm['sent_per_rank'] / 2**20:6.2f} MiB  "
-            + model
+            f"{res['memory']['total'] / 2**20:8.2f} MiB "
+            f"{res['comm']['sent_per_rank'] / 2**20:6.2f} MiB"
         )
+    print("\nthe model next to each (sent/rank above is computed from it):")
+    for name, res in results.items():
+        comm, size = res["comm"], _size(res["comm"]["bytes_each"])
+        if name == "one device":
+            lines = ["the baseline: no communication"]
+        elif name == "DDP":
+            buckets = comm["collectives"] or "its"
+            lines = [f"{buckets} bucket all-reduce(s), {size} of gradients: 2(N-1)/N a rank"]
+        elif name in PIPELINES:
+            lines = [
+                f"bubble (S-1)/(M+S-1) = {res['bubble']:.2f} (S={s}, M={m}): "
+                f"ideal speed-up {res['ideal_speedup']:.2f}",
+                f"{comm['collectives']} messages of {size} from a middle stage (p2p)",
+            ]
+        else:
+            lines = [f"{comm['collectives']} all-reduces of {size}: 2(n-1)/n of each a rank"]
+            if name == "dp x tp":
+                lines[0] = lines[0].replace("a rank", "over tp")
+                lines.append("+ FSDP2 over dp: 2 all-gathers, 1 reduce-scatter, 3 (dp-1) shards")
+        for label, line in zip((name, *[""] * (len(lines) - 1)), lines, strict=True):
+            print(f"  {label:11} {line}")
     for name, res in results.items():
         if res["peak_cuda"]:
             print(
                 f"{name}: allocator peak a GPU {res['peak_cuda'] / 2**20:.1f} MiB (activations in)"
             )
     print(
-        "sent/rank: computed from the shapes; the all-reduce counts of TP and dp x tp are "
-        "CommDebugMode's (DDP's reducer and the pipeline's messages are invisible to it)"
+        "all-reduce counts: CommDebugMode's, over one step; the pipeline's point-to-point\n"
+        "messages are not collectives it counts: those come from the schedule"
     )
     noisy = [name for name, res in results.items() if res["spread"] > NOISY]
     crowded = args.placement.device_type == "cpu" and n > usable_cpus()
     if noisy:
         print(
-            f"warning: the rounds of {', '.join(noisy)} spread by more than {NOISY:.0%}: the "
-            "machine is busy, and those step times mean little; use more --repeats on an idle one"
+            f"warning: the rounds of {', '.join(noisy)} spread by more than {NOISY:.0%}:\n"
+            "  the machine is busy, and those step times mean little; more --repeats on an idle one"
         )
     if crowded:
         print(
-            f"warning: {n} CPU processes on {usable_cpus()} usable core(s): the ranks take turns, "
-            "so the step times measure the waiting, not the method; read the bytes and the memory"
+            f"warning: {n} CPU processes on {usable_cpus()} usable core(s): the ranks take turns,\n"
+            "  so the step times measure the waiting, not the method; read the bytes and the memory"
         )
     if args.out:
         data = {

@@ -56,6 +56,11 @@ def test_quick_run_reports_every_method_next_to_its_model(result: tuple[str, dic
     assert res["TP"]["comm"]["bytes_each"] == act
     assert res["dp x tp"]["comm"]["bytes_each"] == act / 2
     assert res["DDP"]["comm"]["sent_per_rank"] == pytest.approx(2 * 3 / 4 * 4 * data["parameters"])
+    # DDP's reducer all-reduces its buckets through the dispatcher: CommDebugMode counts them
+    # (the quick model's 0.2 MiB of gradients make one bucket)
+    assert res["DDP"]["comm"]["collectives"] == 1
+    long = [x for x in text.splitlines() if len(x) > 100 and not x.startswith("results written")]
+    assert not long, f"lines of at most 100 characters: {long}"
     assert ("warning: 4 CPU processes" in text) == data["crowded"]
 
 
@@ -67,7 +72,7 @@ def test_pipeline_rows_carry_the_bubble_model(result: tuple[str, dict]) -> None:
         assert row["bubble"] == pytest.approx((s - 1) / (m + s - 1))
         assert row["ideal_speedup"] == pytest.approx(s * m / (m + s - 1))
         assert row["comm"]["bytes_each"] == data["batch"] // m * data["seq"] * data["width"] * 4
-    line = next(x for x in text.splitlines() if x.startswith("GPipe"))
+    line = next(x for x in text.splitlines() if x.startswith("  GPipe"))  # its model's line
     assert f"bubble (S-1)/(M+S-1) = {(s - 1) / (m + s - 1):.2f}" in line
 
 
