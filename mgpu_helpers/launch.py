@@ -138,7 +138,7 @@ def launch(
     logs = Path(log_dir) if log_dir is not None else _new_log_dir()
     logs.mkdir(parents=True, exist_ok=True)
     if echo:
-        print(f"{placement.describe()}; logs in {logs}", flush=True)
+        print(f"{placement.describe()}\n  logs in {logs}", flush=True)
     # Adds: the parent hosts the rendezvous store on a port the OS picks, so runs never collide;
     # TORCHELASTIC_USE_AGENT_STORE tells env:// (a worker joining by itself) that every rank is
     # a client of it, as under torchrun.
