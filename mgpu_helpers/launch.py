@@ -51,6 +51,7 @@ import torch.multiprocessing as torch_mp
 
 from .dist_env import DistEnv
 from .placement import Placement, place
+from .troubleshooting import see
 
 __all__ = ["WorkerError", "launch"]
 
@@ -312,7 +313,7 @@ def _unpicklable(worker: Any, args: tuple, kwargs: dict, exc: Exception) -> str:
         f"({type(exc).__name__}: {exc}). Each rank is a new process that receives a copy of the "
         "worker and its arguments: create locks, open files, sockets, CUDA streams and process "
         "groups inside the worker, and pass plain values (numbers, strings, paths, tensors, "
-        "dataclasses) as arguments"
+        f"dataclasses) as arguments; {see(1)}"
     )
 
 
@@ -691,6 +692,8 @@ class _Printer:
 # --- who failed first (Adds: attribution over every rank's outcome, not the first exit seen) --
 
 
+# Lesson 10's entry on each signal, where one explains it (see mgpu_helpers.troubleshooting).
+_SIGNAL_ENTRIES = {"SIGKILL": 5, "SIGABRT": 8}
 _SIGNAL_CAUSES = {
     "SIGKILL": "the out-of-memory killer sends SIGKILL, and so does `kill -9`",
     "SIGSEGV": "a crash in C/C++ code",
@@ -750,6 +753,8 @@ def _failure(ranks: list[_Rank]) -> WorkerError:
             f"rank {first.rank} failed{among}: its process {was}{how} without a Python "
             f"traceback ({cause}); see its log: {first.log}"
         )
+        if entry := _SIGNAL_ENTRIES.get(how.removeprefix("killed by ")):
+            summary += f"\n{see(entry)}"
         try:
             tail = first.log.read_text(errors="replace").rstrip().splitlines()[-_LOG_TAIL_LINES:]
         except OSError:
@@ -761,10 +766,12 @@ def _failure(ranks: list[_Rank]) -> WorkerError:
         summary = (
             f"rank {first.rank} failed while waiting{where}: {done} had already returned "
             "(finished the worker), so never joined it. Every rank must call the same "
-            f"collectives in the same order. Its log: {first.log}"
+            f"collectives in the same order. Its log: {first.log}\n{see(6)}"
         )
     else:
         summary = f"rank {first.rank} failed{where or among}; its log: {first.log}"
+        if where and not _lost_a_peer(first) and "timed out" in details.lower():
+            summary += f"\n{see(6)}"  # a collective that waited in vain: some rank never called it
     others: dict[int, str] = {}
     notes = []
     for r in ranks:

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 
 from . import devices as hardware  # looked up at each call: tests patch its functions
+from .troubleshooting import see
 
 __all__ = ["Placement", "place", "usable_cpus"]
 
@@ -136,7 +137,8 @@ def place(
         raise ValueError("the NCCL backend needs GPUs; use backend='gloo' for CPU processes")
     if backend == "nccl" and sharing:
         raise ValueError(
-            "NCCL refuses two ranks on one GPU; use backend='gloo' or world_size<=GPU count"
+            "NCCL refuses two ranks on one GPU; use backend='gloo' or world_size<=GPU count; "
+            + see(4)
         )
     if backend == "nccl" and not nccl_built:
         raise ValueError("NCCL is not built into this torch; use backend='gloo' (or None)")

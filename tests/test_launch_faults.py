@@ -58,6 +58,8 @@ def test_a_rank_that_dies_in_a_collective_is_named_with_its_exit(
         assert f"see its log: {logs / 'rank1.log'}" in message  # the path, not just "its log"
         assert error.log == logs / "rank1.log"
         assert "last words, no newline" in error.details  # the tail of its log
+        # SIGKILL points to lesson 10's entry on a killed rank; an exit code to none
+        assert ("entry 5: a rank killed (out of host memory)" in message) == (how == "kill")
         assert "\n  rank 0 " in message  # what the survivor saw comes as a consequence
         out = capsys.readouterr().out
         # Its last lines before the abrupt end reached the notebook, not only its log.
@@ -76,6 +78,7 @@ def test_a_rank_that_returned_while_another_waits_in_a_collective_is_named() -> 
         assert error.collective == "barrier"
         assert "rank 0 failed while waiting in a collective (barrier)" in message
         assert "rank 1 had already returned" in message
+        assert "lesson 10 (notebooks/10_troubleshooting.ipynb), entry 6: a collective" in message
         assert str(error.log) in message and error.log.name == "rank0.log"  # also with echo=False
     assert rank_children() == []
 
@@ -146,6 +149,8 @@ def test_who_failed_first_does_not_depend_on_which_message_arrived_first(tmp_pat
     lost = outcome(0, tmp_path, error=LOST_PEER, failed_at=20.0, collective="barrier")
     waited = outcome(1, tmp_path, error=TIMED_OUT, failed_at=20.01, collective="broadcast")
     assert _failure([lost, waited]).rank == 1
+    assert "entry 6: a collective called on some ranks only" in str(_failure([lost, waited]))
+    assert "entry 6" not in str(_failure([lost]))  # a lost peer is a consequence, not the cause
     # An error of the rank's own (not in a collective) outranks both.
     own = outcome(2, tmp_path, error="ValueError: bad batch", failed_at=20.05)
     error = _failure([lost, waited, own])

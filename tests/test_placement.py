@@ -135,7 +135,7 @@ def test_counts_the_gpus_here_when_not_told(monkeypatch, with_nccl) -> None:
         ({"world_size": 2, "device": "cpu", "backend": "nccl"}, "use backend='gloo' for CPU"),
         (
             {"world_size": 2, "device": "cuda", "n_gpus": 1, "share_gpus": True, "backend": "nccl"},
-            "NCCL refuses two ranks on one GPU; use backend='gloo'",
+            "NCCL refuses two ranks on one GPU; use backend='gloo'.*entry 4: two ranks on one GPU",
         ),
         ({"world_size": 2, "backend": "mpi", "n_gpus": 0}, "backend='mpi' is unknown; choose"),
     ],
