@@ -74,7 +74,8 @@ step lessons "$lessons_limit" "$PY" scripts/lesson_as_script.py run --quick \
 # The test files whose GPU tests need no Jupyter stack (the notebooks run on the CPU in CI);
 # test_torchrun_gpu.py: lesson 07's scripts/train_ddp.py under torchrun, a rank killed; the last
 # four of the line before the last: lesson 08 (memory accounting, ZeRO by hand, FSDP2, sharded
-# checkpoints); the last line: lesson 09 (tensor parallelism, pipeline schedules, the 2-D mesh).
+# checkpoints); then lesson 09 (tensor parallelism, pipeline schedules, the 2-D mesh); the last
+# two lines: lesson 10 (errors produced on a GPU: CUDA before a fork, NCCL on a shared GPU, OOM).
 step gpu_tests 210 "$PY" -m pytest -p no:cacheprovider -q -rs -m "gpu or multigpu" \
   tests/test_data_parallel.py tests/test_ddp.py tests/test_ddp_batchnorm.py tests/test_devices.py \
   tests/test_doctor.py tests/test_devices_extra.py tests/test_launch.py \
@@ -84,7 +85,9 @@ step gpu_tests 210 "$PY" -m pytest -p no:cacheprovider -q -rs -m "gpu or multigp
   tests/test_torchrun_gpu.py \
   tests/test_memory.py tests/test_zero.py tests/test_fsdp.py tests/test_sharded_checkpoint.py \
   tests/test_tensor_parallel.py tests/test_pipelining.py tests/test_2d_mesh.py \
-  tests/test_parallelisms_benchmark.py
+  tests/test_parallelisms_benchmark.py \
+  tests/test_troubleshooting_processes.py tests/test_troubleshooting_ddp.py \
+  tests/test_troubleshooting_myths.py
 step loop_overhead 90 "$PY" benchmarks/loop_overhead.py --out "$out/loop_overhead.json"
 # 3 repeats: the benchmark also times bare spawn (each rank imports torch and starts CUDA again)
 step launch_overhead 90 "$PY" benchmarks/launch_overhead.py --repeats 3 \

@@ -1,0 +1,179 @@
+"""Lesson 10, section 3 and exercise 2: DDP's errors and silent mistakes, entries 9 to 15.
+
+The code is the lesson's own, read from its notebook (``load_lesson_code``): one launch of two
+CPU ranks over gloo runs every in-rank demonstration (entries 10 to 14) and the tests check the
+error class and a fragment of each message, or the numbers of each silent mistake, and that each
+fix works. Entries 9 and 12 need one process. GPU-marked tests run entry 9 on CUDA, entry 15's
+out-of-memory error, and entries 10 to 14 (SyncBatchNorm included) with NCCL on two GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from mgpu_helpers.dist_env import DistEnv
+from mgpu_helpers.exercises import check
+from mgpu_helpers.launch import launch
+from mgpu_helpers.lesson_code import load_lesson_code
+from mgpu_helpers.placement import place
+
+ROOT = Path(__file__).resolve().parents[1]
+NAMESPACE = {
+    "Callable": Callable, "DDP": DDP, "DataLoader": DataLoader, "DistEnv": DistEnv,
+    "DistributedSampler": DistributedSampler, "TensorDataset": TensorDataset,
+    "consume_prefix_in_state_dict_if_present": consume_prefix_in_state_dict_if_present,
+    "dist": dist, "nn": nn, "os": os, "time": time, "torch": torch,
+    "SEED": 0,  # the head's parameter
+    "wrapped_state": None, "inner_state": None,  # entry 12's checkpoints, which exercise 2 reads
+}  # fmt: skip
+NAMES = (
+    "caught", "device_ids_for",
+    "case_device_ids", "Skipping", "case_unused", "case_checkpoint", "case_sampler",
+    "bn_model", "bn_train_eval", "case_batchnorm", "ddp_cases", "shared_fraction",  # section 3
+    "load_plain", "test_load_plain",  # exercise 2
+)  # fmt: skip
+lesson = load_lesson_code("10", NAMES, NAMESPACE, folder=ROOT / "notebooks")
+PLAIN_MODEL = lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[dict]:
+    return launch(lesson.ddp_cases, 2, device="cpu", echo=False, timeout=30)
+
+
+def check_cases(cases: list[dict]) -> None:
+    """The lesson's assertions for entries 10 to 14 (but SyncBatchNorm), on any placement."""
+    for result in cases:
+        kind, message = result[10]["broken"]
+        assert kind == "ValueError"
+        assert "only work with single-device/multiple-device GPU modules or CPU modules" in message
+        assert "module parameters {device(type='cpu')}" in message
+        kind, message = result[11]["broken"]
+        assert kind == "RuntimeError"
+        assert "Expected to have finished reduction in the prior iteration" in message
+        # the names need the debug level
+        assert "Parameters which did not receive grad" not in message
+        assert "Parameters which did not receive grad for rank" in result[11]["named"][1]
+        assert "spare.weight" in result[11]["named"][1] and "spare.bias" in result[11]["named"][1]
+        for option in ("find_unused_parameters", "static_graph"):
+            assert result[11][option]["spare_grad"] is None
+            torch.testing.assert_close(
+                result[11][option]["body_grad"], cases[0][11][option]["body_grad"]
+            )
+        torch.testing.assert_close(result[10]["grad"], cases[0][10]["grad"])
+        assert result[13]["no_set_epoch"][0] == result[13]["no_set_epoch"][1]
+        assert result[13]["set_epoch"][0] != result[13]["set_epoch"][1]
+    for way, shared in (("plain", 1.0), ("no_set_epoch", 0.0), ("set_epoch", 0.0)):
+        for epoch in (0, 1):
+            fraction = lesson.shared_fraction([r[13][way][epoch] for r in cases])
+            assert fraction == shared, (way, epoch)
+    means = [r[14]["plain"]["running_mean"] for r in cases]
+    evals = [r[14]["plain"]["eval"] for r in cases]
+    assert (means[1] - means[0]).abs().max() > 1e-3 and (evals[1] - evals[0]).abs().max() > 1e-3
+    assert torch.equal(cases[1][14]["broadcast_eval"], cases[0][14]["broadcast_eval"])
+
+
+def test_entry_9_meta_and_cpu_raise_the_same_class_with_another_text() -> None:
+    mismatch = lesson.caught(lambda: nn.Linear(4, 2).to("meta")(torch.randn(3, 4)))
+    assert mismatch is not None and mismatch[0] == "RuntimeError"
+    assert "is not on the expected device" in mismatch[1]  # the fragment the lesson checks
+    assert lesson.caught(lambda: nn.Linear(4, 2)(torch.randn(3, 4))) is None
+
+
+@pytest.mark.gpu
+def test_entry_9_cuda_and_cpu_say_expected_all_tensors_on_the_same_device() -> None:
+    mismatch = lesson.caught(lambda: nn.Linear(4, 2).to("cuda:0")(torch.randn(3, 4)))
+    assert mismatch is not None and mismatch[0] == "RuntimeError"
+    assert "Expected all tensors to be on the same device" in mismatch[1]
+    assert (
+        lesson.caught(lambda: nn.Linear(4, 2).to("cuda:0")(torch.randn(3, 4).to("cuda:0"))) is None
+    )
+
+
+def test_entries_10_to_14_on_two_cpu_ranks(cases: list[dict]) -> None:
+    check_cases(cases)
+    kind, message = cases[0][14]["sync_error"]
+    assert kind == "ValueError" and "SyncBatchNorm layers only work with GPU modules" in message
+    assert "sync" not in cases[0][14]
+
+
+def test_entry_12_prefix_error_and_both_fixes(cases: list[dict]) -> None:
+    wrapped, inner = cases[0][12]["wrapped"], cases[0][12]["inner"]
+    assert all(k.startswith("module.") for k in wrapped) and not any(
+        k.startswith("module.") for k in inner
+    )
+    kind, message = lesson.caught(lambda: PLAIN_MODEL().load_state_dict(wrapped))
+    assert kind == "RuntimeError"
+    assert (
+        "Missing key(s) in state_dict" in message
+        and 'Unexpected key(s) in state_dict: "module.' in message
+    )
+    fixed = dict(wrapped)
+    consume_prefix_in_state_dict_if_present(fixed, "module.")
+    model = PLAIN_MODEL()
+    model.load_state_dict(fixed)
+    assert all(torch.equal(v, inner[k]) for k, v in model.state_dict().items())
+    torch.testing.assert_close(
+        cases[1][12]["inner"], inner, rtol=0, atol=0
+    )  # DDP's broadcast at the wrap
+
+
+def test_exercise_2_passes_the_solution_and_fails_the_stub_and_wrong_answers(
+    cases: list[dict], capsys: pytest.CaptureFixture[str]
+) -> None:
+    NAMESPACE["wrapped_state"], NAMESPACE["inner_state"] = (
+        cases[0][12]["wrapped"],
+        cases[0][12]["inner"],
+    )
+    lesson.test_load_plain()
+    solution = lesson.load_plain
+
+    def stub(model: nn.Module, state: dict) -> None:
+        raise NotImplementedError()
+
+    def blind_slice(model: nn.Module, state: dict) -> None:  # cuts 7 characters off every key
+        model.load_state_dict({k[7:]: v for k, v in state.items()})
+
+    def not_strict(model: nn.Module, state: dict) -> None:  # silences the error, loads nothing
+        model.load_state_dict(state, strict=False)
+
+    try:
+        NAMESPACE["load_plain"] = stub
+        assert not check("exercise 2", lesson.test_load_plain, hint="h")
+        assert "not implemented yet" in capsys.readouterr().out
+        for wrong in (blind_slice, not_strict):
+            NAMESPACE["load_plain"] = wrong
+            with pytest.raises(AssertionError):
+                lesson.test_load_plain()
+    finally:
+        NAMESPACE["load_plain"] = solution
+
+
+@pytest.mark.multigpu
+def test_entries_10_to_14_with_nccl_and_syncbatchnorm_on_two_gpus() -> None:
+    results = launch(lesson.ddp_cases, place(2), echo=False, timeout=60)
+    check_cases(results)
+    means = [r[14]["sync"]["running_mean"] for r in results]
+    torch.testing.assert_close(means[1], means[0])  # SyncBatchNorm: the global batch's statistics
+    assert "sync_error" not in results[0][14]
+
+
+@pytest.mark.gpu
+def test_entry_15_out_of_memory_names_the_allocation_and_empty_cache_runs() -> None:
+    free, _ = torch.cuda.mem_get_info(0)
+    oom = lesson.caught(lambda: torch.empty(free + 2**30, dtype=torch.uint8, device="cuda:0"))
+    assert oom is not None and oom[0] == "OutOfMemoryError" and "Tried to allocate" in oom[1]
+    assert issubclass(torch.OutOfMemoryError, RuntimeError)
+    torch.cuda.empty_cache()
+    assert torch.cuda.mem_get_info(0)[0] >= 0.9 * free  # nothing of the refused allocation stayed

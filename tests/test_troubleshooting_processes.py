@@ -1,0 +1,239 @@
+"""Lesson 10, sections 1 and 2 and exercise 1: starting processes and hangs, for real.
+
+The code is the lesson's own, read from its notebook (``load_lesson_code``): each test runs an
+entry's broken worker, checks the error's type and a fragment of its message, then runs the fix.
+Deliberate hangs wait ``HANG`` seconds. Entry 1 runs in a fresh interpreter started with ``-c``,
+whose ``__main__`` has no file, as a notebook kernel's has none. Entries 2 and 4 (and 8's
+``NCCL_DEBUG=INFO`` lines) need a GPU: marked ``gpu``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import faulthandler
+import linecache
+import multiprocessing
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
+
+from mgpu_helpers.dist_env import DistEnv
+from mgpu_helpers.exercises import check
+from mgpu_helpers.jobs import free_port, run_job
+from mgpu_helpers.launch import WorkerError, launch
+from mgpu_helpers.lesson_code import lesson_function, load_lesson_code
+from mgpu_helpers.placement import place
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+HANG = 3  # seconds a deliberate hang waits here (the lesson's hang_timeout)
+WORLD_SIZE = 2
+CPU = place(WORLD_SIZE, "cpu")
+NAMESPACE = {
+    "DDP": DDP, "DistEnv": DistEnv, "DistributedSampler": DistributedSampler, "Path": Path,
+    "WorkerError": WorkerError, "check": check, "contextlib": contextlib, "copy": copy,
+    "datetime": datetime, "dist": dist, "faulthandler": faulthandler, "free_port": free_port,
+    "launch": launch, "linecache": linecache, "mp": mp, "multiprocessing": multiprocessing,
+    "nn": nn, "os": os, "place": place, "re": re, "run_job": run_job, "signal": signal,
+    "socket": socket, "sys": sys, "tempfile": tempfile, "textwrap": textwrap, "time": time,
+    "torch": torch,
+    # the head's parameters and set-up, for the tests
+    "WORLD_SIZE": WORLD_SIZE, "SEED": 0, "JOB_TIMEOUT": 60, "hang_timeout": HANG,
+    "cpu_placement": CPU,
+}  # fmt: skip
+NAMES = (
+    "tidy", "key_lines", "report",  # section 1's first cell
+    "hello", "ones_total", "join_group", "killed_rank",  # section 1
+    "save_then_continue", "where_ranks_waited", "mismatched_collectives",
+    "save_then_continue_fixed", "uneven_steps",  # section 2
+    "mistakes_of", "gather_mistakes", "fixed_worker", "test_fixed_worker",  # exercise 1
+)  # fmt: skip
+lesson = load_lesson_code("10", NAMES, NAMESPACE, folder=NOTEBOOKS)
+
+
+def test_entry1_notebook_function_under_mp_spawn() -> None:
+    """A function of a file-less ``__main__``: the lesson's two steps and mp.spawn itself agree."""
+    code = "\n\n".join(
+        [
+            "import multiprocessing, os, re, sys, tempfile\nimport torch.multiprocessing as mp",
+            lesson_function("10", "tidy", NOTEBOOKS),
+            lesson_function("10", "key_lines", NOTEBOOKS),
+            lesson_function("10", "hello", NOTEBOOKS),
+            lesson_function("10", "start_like_mp_spawn", NOTEBOOKS),
+            "caught, said = start_like_mp_spawn(hello, 2, 60)\n"
+            "print(type(caught).__name__, caught)\nprint('\\n'.join(key_lines(said, 'Error:')))",
+            # mp.spawn itself (one child: quicker); its child writes to this process's stderr
+            "try:\n    mp.spawn(hello, args=(1,), nprocs=1)\nexcept Exception as exc:\n"
+            "    print('mp.spawn:', type(exc).__name__, exc)",
+        ]
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    out = done.stdout.splitlines()
+    exited = r"ProcessExitedException process [01] terminated with exit code 1"
+    assert re.fullmatch(exited, out[0]), out
+    line = "AttributeError: Can't get attribute 'hello' on <module '__main__' (built-in)>"
+    assert out[1:3] == [line, line], out
+    assert out[3] == "mp.spawn: ProcessExitedException process 0 terminated with exit code 1", out
+    assert line in done.stderr and "Terminating process" not in done.stdout
+    # the fix: the same function, sent by value by the course's launcher
+    pids = launch(lambda env: lesson.hello(env.rank, env.world_size), CPU, timeout=60, echo=False)
+    assert len(set(pids)) == WORLD_SIZE and os.getpid() not in pids
+
+
+def test_entry3_port_taken_then_a_free_port() -> None:
+    other_run = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    other_run.bind(("127.0.0.1", 0))
+    other_run.listen()
+    try:
+        with pytest.raises(WorkerError) as caught:
+            launch(lesson.join_group, CPU, other_run.getsockname()[1], init_process_group=False,
+                   timeout=60, echo=False)  # fmt: skip
+    finally:
+        other_run.close()
+    exc = caught.value
+    assert exc.rank == 0 and exc.collective == "init_process_group"
+    assert "torch.distributed.DistNetworkError" in exc.details and "EADDRINUSE" in exc.details
+    assert "its error: torch.distributed.DistNetworkError" in "\n".join(lesson.report(exc))
+    assert "EADDRINUSE" in " ".join(lesson.report(exc))
+    totals = launch(lesson.join_group, CPU, free_port(), init_process_group=False, timeout=60,
+                    echo=False)  # fmt: skip
+    assert totals == [2.0, 2.0]
+
+
+def test_entry5_a_rank_killed_by_sigkill() -> None:
+    with pytest.raises(WorkerError) as caught:
+        launch(lesson.killed_rank, CPU, timeout=60, echo=False)
+    exc = caught.value
+    assert exc.rank == 1 and exc.how == "killed by SIGKILL" and exc.exitcode == -signal.SIGKILL
+    assert "killed by SIGKILL" in lesson.report(exc)[0]
+
+
+def test_entry6_collective_on_rank0_only_dumps_detail_and_fix(tmp_path: Path) -> None:
+    start = time.perf_counter()
+    with pytest.raises(WorkerError) as caught:
+        launch(lesson.save_then_continue, CPU, HANG / 2, timeout=HANG, log_dir=tmp_path, echo=False)
+    waited = time.perf_counter() - start
+    exc = caught.value
+    also = re.findall(r"also failed in a collective \((\w+)\)", str(exc))
+    assert {exc.collective, *also} == {"barrier", "all_reduce"}, str(exc)
+    assert "Timed out waiting" in exc.details and HANG <= waited < HANG + 10
+    # the stack dumps say where each rank waited
+    where = lesson.where_ranks_waited(tmp_path, "save_then_continue")
+    assert "dist.barrier()" in where[0] and "dist.all_reduce(total)" in where[1], where
+    # TORCH_DISTRIBUTED_DEBUG=DETAIL names the two different calls
+    with pytest.raises(WorkerError) as caught:
+        launch(
+            lesson.mismatched_collectives, CPU, init_process_group=False, timeout=HANG, echo=False
+        )
+    assert "Detected mismatch between collectives on ranks" in str(caught.value)
+    assert "OpType=ALLREDUCE" in str(caught.value) and "OpType=BROADCAST" in str(caught.value)
+    # the fix
+    assert launch(lesson.save_then_continue_fixed, CPU, timeout=HANG, echo=False) == [2.0, 2.0]
+
+
+def join_then_uneven(env: DistEnv, saved: Path) -> None:
+    """Entry 7's fix (Join), its result saved, then the broken run: one launch, one DDP start-up."""
+    torch.save(lesson.uneven_steps(env, WORLD_SIZE + 1, True), saved / f"joined{env.rank}.pt")
+    lesson.uneven_steps(env, WORLD_SIZE + 1, False)
+
+
+def test_entry7_uneven_inputs_then_join(tmp_path: Path) -> None:
+    with pytest.raises(WorkerError) as caught:
+        launch(join_then_uneven, CPU, tmp_path, timeout=HANG, echo=False)
+    exc = caught.value
+    assert exc.rank == 0 and exc.finished == (1,) and "backward" in exc.details
+    assert "had already returned" in str(exc)
+    joined = [torch.load(tmp_path / f"joined{rank}.pt") for rank in range(WORLD_SIZE)]
+    assert [r["steps"] for r in joined] == [2, 1]
+    # Join's default divide_by_initial_world_size=True: rank 0's extra step gets its own / 2
+    torch.testing.assert_close(joined[0]["grad"], joined[0]["own"] / WORLD_SIZE)
+    assert not torch.allclose(joined[0]["grad"], joined[0]["own"])
+
+
+def _exercise_variant(source: str) -> None:
+    """Replace the lesson's fixed_worker by ``source`` (run where the lesson's code runs)."""
+    exec(textwrap.dedent(source), NAMESPACE)
+
+
+def test_exercise1_broken_report_stub_solution_and_wrong_answers(capsys) -> None:
+    with pytest.raises(WorkerError) as caught:
+        launch(lesson.gather_mistakes, CPU, timeout=HANG, echo=False)
+    assert "invalid tensor size" in caught.value.details
+    solution = NAMESPACE["fixed_worker"]
+    try:
+        assert check("exercise 1", lesson.test_fixed_worker, hint="h")
+        _exercise_variant(
+            """
+            def fixed_worker(env):
+                raise NotImplementedError()
+            """
+        )
+        assert not check("exercise 1", lesson.test_fixed_worker, hint="h")
+        assert "not implemented yet" in capsys.readouterr().out
+        _exercise_variant(  # no collective: each rank returns its own ids only
+            """
+            def fixed_worker(env):
+                return mistakes_of(env).tolist()
+            """
+        )
+        assert not check("exercise 1", lesson.test_fixed_worker, hint="h")
+        _exercise_variant(  # padded but never cut back: the padding stays in the list
+            """
+            def fixed_worker(env):
+                mine = mistakes_of(env)
+                padded = torch.zeros(env.world_size + 1, dtype=mine.dtype)
+                padded[: len(mine)] = mine
+                gathered = [torch.empty_like(padded) for _ in range(env.world_size)]
+                dist.all_gather(gathered, padded)
+                return torch.cat(gathered).tolist()
+            """
+        )
+        assert not check("exercise 1", lesson.test_fixed_worker, hint="h")
+        assert "expected [0, 1, 100, 101, 102]" in capsys.readouterr().out
+    finally:
+        NAMESPACE["fixed_worker"] = solution
+
+
+@pytest.mark.gpu
+def test_entries_2_4_8_on_a_gpu() -> None:
+    """CUDA before a fork; two NCCL ranks on cuda:0 and gloo as the fix; NCCL_DEBUG=INFO."""
+    names = ("touch_cuda", "cuda_then_fork", "both_on_gpu0")
+    gpu = load_lesson_code("10", names, NAMESPACE, folder=NOTEBOOKS)
+    assert "Cannot re-initialize CUDA in forked subprocess" in gpu.cuda_then_fork()
+    assert launch(lambda env: torch.ones(1, device=env.device).add(1).item(), place(1, "cuda"),
+                  timeout=60, echo=False) == [2.0]  # fmt: skip
+    shared = place(2, "cuda", share_gpus=True, n_gpus=1)
+    with pytest.raises(WorkerError) as caught:
+        launch(gpu.both_on_gpu0, shared, init_process_group=False, timeout=60, echo=False)
+    assert "Duplicate GPU detected" in str(caught.value)
+    assert shared.backend == "gloo"
+    assert launch(lesson.ones_total, shared, timeout=60, echo=False) == [2.0, 2.0]
+    logs = Path(tempfile.mkdtemp(prefix="lesson10-nccl-"))
+    nccl_env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_FILE": str(logs / "nccl.%h.%p.log")}
+    os.environ.update(nccl_env)  # as the lesson does: the ranks get this process's environment
+    try:
+        launch(lesson.ones_total, place(1, "cuda"), timeout=60, echo=False)
+    finally:
+        for name in nccl_env:
+            del os.environ[name]
+    said = "".join(f.read_text(errors="replace") for f in logs.glob("nccl.*.log"))
+    assert "NCCL INFO" in said and "NCCL version" in said
