@@ -45,7 +45,6 @@ gloo. With 2 or 3 GPUs, --world-size 2 runs on them, without the dp x tp row (it
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -57,19 +56,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 # Run from a source checkout without installing: put the repository root on the path.
@@ -78,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mgpu_helpers.devices import describe_hardware, gpu_count, hardware_as_dict  # noqa: E402
 from mgpu_helpers.dist_env import DistEnv  # noqa: E402
 from mgpu_helpers.launch import launch  # noqa: E402
-from mgpu_helpers.lesson_code import load_lesson_code  # noqa: E402
+from mgpu_helpers.lesson_code import lesson_imports, load_lesson_code  # noqa: E402
 from mgpu_helpers.memory import optimizer_state_bytes, tensor_bytes  # noqa: E402
 from mgpu_helpers.model_parallel import bubble_fraction  # noqa: E402
 from mgpu_helpers.placement import place, usable_cpus  # noqa: E402
@@ -97,21 +86,14 @@ NAMES = (
     "Attention", "FeedForward", "Layer", "Net", "make_model", "make_batch", "make_mesh", "apply_tp",
     "make_stage", "make_pipeline", "pipeline_step", "apply_2d",
 )  # fmt: skip
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 NAMESPACE = {
-    "torch": torch, "nn": nn, "F": F, "dist": dist, "math": math, "time": time,
-    "warnings": warnings, "DistEnv": DistEnv, "DeviceMesh": DeviceMesh,
-    "init_device_mesh": init_device_mesh, "DTensor": DTensor, "Shard": Shard,
-    "Replicate": Replicate, "ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
-    "SequenceParallel": SequenceParallel, "PrepareModuleInput": PrepareModuleInput,
-    "PrepareModuleOutput": PrepareModuleOutput, "parallelize_module": parallelize_module,
-    "PipelineStage": PipelineStage, "fully_shard": fully_shard,
+    **lesson_imports("09", NOTEBOOKS),  # the lesson's own imports
     # the head's names (main() overrides the sizes)
     "WIDTH": 64, "HEADS": 4, "DEPTH": 4, "SEQ": 16, "BATCH_SIZE": 8, "MICROBATCHES": 4,
     "LR": 1e-3, "SEED": 0, "IN_FEATURES": 16, "CLASSES": 10,
 }  # fmt: skip
-lesson = load_lesson_code(
-    "09", NAMES, NAMESPACE, folder=Path(__file__).resolve().parent.parent / "notebooks"
-)
+lesson = load_lesson_code("09", NAMES, NAMESPACE, folder=NOTEBOOKS)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

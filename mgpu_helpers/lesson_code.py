@@ -16,15 +16,17 @@ import json
 import linecache
 import symtable
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "Definition",
     "Diff",
     "lesson_definitions",
     "lesson_function",
+    "lesson_imports",
     "load_lesson_code",
     "python_only",
     "script_function",
@@ -80,6 +82,38 @@ def _names(node: ast.stmt) -> tuple[str, list[str]] | None:
     return None
 
 
+def _code_cells(path: Path) -> Iterator[tuple[int, str, ast.Module]]:
+    """Each code cell of the notebook ``path`` that parses: its number, Python text and tree."""
+    for number, cell in enumerate(json.loads(path.read_text(encoding="utf-8"))["cells"], 1):
+        if cell["cell_type"] != "code":
+            continue
+        text = python_only("".join(cell["source"])) + "\n"  # source: a string, or a list of lines
+        try:
+            yield number, text, ast.parse(text)
+        except SyntaxError:
+            continue
+
+
+def lesson_imports(lesson: str, folder: str | Path | None = None) -> dict[str, Any]:
+    """The names bound by ``lesson``'s top-level imports, imported here (lessons 09 and 10).
+
+    The namespace :func:`load_lesson_code` needs, taken from the lesson itself rather than
+    listed again by each test and benchmark. An import this Python cannot do (IPython on a bare
+    GPU machine, say) is left out: code that reads one of its names then fails with NameError.
+    """
+    path = _find_lesson(lesson, folder)
+    namespace: dict[str, Any] = {}
+    for _, _, tree in _code_cells(path):
+        for node in tree.body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                try:
+                    exec(compile(ast.Module([node], []), str(path), "exec"), namespace)
+                except ImportError:
+                    continue
+    namespace.pop("__builtins__", None)
+    return namespace
+
+
 def lesson_definitions(lesson: str, folder: str | Path | None = None) -> dict[str, Definition]:
     """The top-level functions, classes and simple assignments of ``lesson``'s code cells.
 
@@ -88,16 +122,8 @@ def lesson_definitions(lesson: str, folder: str | Path | None = None) -> dict[st
     """
     path = _find_lesson(lesson, folder)
     found: dict[str, Definition] = {}
-    for number, cell in enumerate(json.loads(path.read_text(encoding="utf-8"))["cells"], 1):
-        if cell["cell_type"] != "code":
-            continue
-        source = "".join(cell["source"])  # a string, or a list of lines
-        text = python_only(source) + "\n"
+    for number, text, tree in _code_cells(path):
         lines = text.splitlines()
-        try:
-            tree = ast.parse(text)
-        except SyntaxError:
-            continue
         for node in tree.body:
             if (defined := _names(node)) is None:
                 continue

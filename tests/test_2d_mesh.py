@@ -9,50 +9,22 @@ lesson's tolerance, the second must fail the same check (so the check can fail).
 
 from __future__ import annotations
 
-import math
-import time
-import warnings
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
 
 from mgpu_helpers.devices import gpu_count
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.exercises import check
 from mgpu_helpers.launch import launch
-from mgpu_helpers.lesson_code import load_lesson_code
-from mgpu_helpers.memory import tensor_bytes
+from mgpu_helpers.lesson_code import lesson_imports, load_lesson_code
 from mgpu_helpers.placement import place
-from mgpu_helpers.progress import progress_bar
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTH, DEPTH, STEPS = 32, 2, 2
 NAMESPACE = {
-    "ColwiseParallel": ColwiseParallel, "CommDebugMode": CommDebugMode, "DeviceMesh": DeviceMesh,
-    "DistEnv": DistEnv, "F": F, "PrepareModuleInput": PrepareModuleInput,
-    "PrepareModuleOutput": PrepareModuleOutput, "Replicate": Replicate,
-    "RowwiseParallel": RowwiseParallel, "SequenceParallel": SequenceParallel, "Shard": Shard,
-    "check": check, "dist": dist, "fully_shard": fully_shard, "init_device_mesh": init_device_mesh,
-    "math": math, "nn": nn, "nullcontext": nullcontext, "parallelize_module": parallelize_module,
-    "progress_bar": progress_bar, "tensor_bytes": tensor_bytes, "time": time, "torch": torch,
-    "warnings": warnings,
+    **lesson_imports("09", ROOT / "notebooks"),  # the lesson's own imports
     # the head's parameters, smaller: default arguments are bound when the code is loaded
     "WIDTH": WIDTH, "HEADS": 4, "DEPTH": DEPTH, "SEQ": 8, "BATCH_SIZE": 4, "LR": 1e-3, "SEED": 0,
     "IN_FEATURES": 16, "CLASSES": 10,

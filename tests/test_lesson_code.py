@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import traceback
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from mgpu_helpers.lesson_code import (
     lesson_definitions,
     lesson_function,
+    lesson_imports,
     load_lesson_code,
     script_function,
     show_diff,
@@ -97,6 +99,26 @@ def test_loaded_code_runs_in_the_namespace_given(tmp_path: Path) -> None:
     assert namespace["root"] is code.root  # defined in the namespace, which the code reads
     namespace["OFFSET"] = 0
     assert code.root(9.0) == 6.0
+
+
+def test_lesson_imports_binds_what_the_lessons_imports_bind_and_skips_what_is_missing(
+    tmp_path: Path,
+) -> None:
+    _lesson(
+        tmp_path,
+        "09_demo.ipynb",
+        [
+            "%matplotlib inline\nimport math\nfrom pathlib import Path as P\nx = 1\n",
+            "import no_such_module_here\n\n\ndef f():\n    import json\n",  # not top level
+            "from os import sep, path as osp\n",
+        ],
+    )
+    found = lesson_imports("09", tmp_path)
+    assert found == {"math": math, "P": Path, "sep": os.sep, "osp": os.path}
+    # the namespace load_lesson_code needs, from the lesson itself
+    _lesson(tmp_path, "05_demo.ipynb", ["import math\n", *LESSON_CELLS])
+    names = ["root", "Scaler", "SCALE", "OFFSET"]
+    assert load_lesson_code("05", names, lesson_imports("05", tmp_path), tmp_path).root(9.0) == 7.0
 
 
 def test_a_traceback_through_loaded_code_names_the_notebook_and_line(tmp_path: Path) -> None:

@@ -9,28 +9,21 @@ Cutting the model (``make_stage``) runs in this process.
 
 from __future__ import annotations
 
-import time
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.exercises import check
 from mgpu_helpers.launch import launch
-from mgpu_helpers.lesson_code import load_lesson_code
-from mgpu_helpers.model_parallel import bubble_fraction
+from mgpu_helpers.lesson_code import lesson_imports, load_lesson_code
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPTH, STEPS, BATCH = 4, 2, 8
 NAMESPACE = {
-    "DistEnv": DistEnv, "F": F, "PipelineStage": PipelineStage, "bubble_fraction": bubble_fraction,
-    "check": check, "dist": dist, "nn": nn, "time": time, "torch": torch, "weakref": weakref,
+    **lesson_imports("09", ROOT / "notebooks"),  # the lesson's own imports
     # the head's parameters, smaller: default arguments are bound when the code is loaded
     "WIDTH": 16, "HEADS": 2, "DEPTH": DEPTH, "SEQ": 8, "BATCH_SIZE": BATCH, "LR": 1e-3, "SEED": 0,
     "IN_FEATURES": 8, "CLASSES": 4,  # the head's `IN_FEATURES, CLASSES = 16, 10`

@@ -12,46 +12,21 @@ the tolerance, not to bit equality.
 
 from __future__ import annotations
 
-import logging
-import math
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
 
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.exercises import check
-from mgpu_helpers.launch import WorkerError, launch
-from mgpu_helpers.lesson_code import load_lesson_code
+from mgpu_helpers.launch import launch
+from mgpu_helpers.lesson_code import lesson_imports, load_lesson_code
 from mgpu_helpers.placement import place
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = {
-    "ColwiseParallel": ColwiseParallel, "CommDebugMode": CommDebugMode, "DTensor": DTensor,
-    "DeviceMesh": DeviceMesh, "DistEnv": DistEnv, "F": F, "Partial": Partial,
-    "PrepareModuleInput": PrepareModuleInput, "PrepareModuleOutput": PrepareModuleOutput,
-    "Replicate": Replicate, "RowwiseParallel": RowwiseParallel,
-    "SequenceParallel": SequenceParallel,
-    "Shard": Shard, "WorkerError": WorkerError, "check": check, "dist": dist,
-    "distribute_tensor": distribute_tensor, "init_device_mesh": init_device_mesh, "launch": launch,
-    "logging": logging, "math": math, "nn": nn, "textwrap": textwrap,
-    "parallelize_module": parallelize_module, "time": time, "torch": torch,
+    **lesson_imports("09", ROOT / "notebooks"),  # the lesson's own imports
     # the head's parameters, smaller: default arguments are bound when the code is loaded
     "WIDTH": 32, "HEADS": 4, "DEPTH": 2, "SEQ": 8, "BATCH_SIZE": 4, "LR": 1e-3, "SEED": 0,
     "IN_FEATURES": 16, "CLASSES": 10, "TIMEOUT": 60,

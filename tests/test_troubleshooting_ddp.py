@@ -9,31 +9,21 @@ out-of-memory error, and entries 10 to 14 (SyncBatchNorm included) with NCCL on 
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.exercises import check
 from mgpu_helpers.launch import launch
-from mgpu_helpers.lesson_code import load_lesson_code
+from mgpu_helpers.lesson_code import lesson_imports, load_lesson_code
 from mgpu_helpers.placement import place
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = {
-    "Callable": Callable, "DDP": DDP, "DataLoader": DataLoader, "DistEnv": DistEnv,
-    "DistributedSampler": DistributedSampler, "TensorDataset": TensorDataset,
-    "consume_prefix_in_state_dict_if_present": consume_prefix_in_state_dict_if_present,
-    "dist": dist, "nn": nn, "os": os, "time": time, "torch": torch,
+    **lesson_imports("10", ROOT / "notebooks"),  # the lesson's own imports
     "SEED": 0,  # the head's parameter
     "wrapped_state": None, "inner_state": None,  # entry 12's checkpoints, which exercise 2 reads
 }  # fmt: skip

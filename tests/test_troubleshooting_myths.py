@@ -11,32 +11,24 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.distributed.tensor.debug import CommDebugMode
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.exercises import check
 from mgpu_helpers.launch import launch
-from mgpu_helpers.lesson_code import load_lesson_code
+from mgpu_helpers.lesson_code import lesson_imports, load_lesson_code
 from mgpu_helpers.memory import tensor_bytes
 from mgpu_helpers.placement import place
-from mgpu_helpers.timing import measure
 from mgpu_helpers.troubleshooting import ENTRIES
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
 NAMESPACE = {
-    "CommDebugMode": CommDebugMode, "DDP": DDP, "DistEnv": DistEnv, "F": F, "check": check,
-    "dist": dist, "measure": measure, "nn": nn, "tensor_bytes": tensor_bytes, "time": time,
-    "torch": torch, "SEED": 0,
+    **lesson_imports("10", ROOT / "notebooks"),  # the lesson's own imports
+    "SEED": 0,
     "myths": [],  # section 4's per-rank results, which exercise 3's check reads (set below)
 }  # fmt: skip
 NAMES = (

@@ -9,12 +9,6 @@ whose ``__main__`` has no file, as a notebook kernel's has none. Entries 2 and 4
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import datetime
-import faulthandler
-import linecache
-import multiprocessing
 import os
 import re
 import signal
@@ -28,17 +22,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler
 
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.exercises import check
-from mgpu_helpers.jobs import free_port, run_job
+from mgpu_helpers.jobs import free_port
 from mgpu_helpers.launch import WorkerError, launch
-from mgpu_helpers.lesson_code import lesson_function, load_lesson_code
+from mgpu_helpers.lesson_code import lesson_function, lesson_imports, load_lesson_code
 from mgpu_helpers.placement import place
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,13 +36,7 @@ HANG = 3  # seconds a deliberate hang waits here (the lesson's hang_timeout)
 WORLD_SIZE = 2
 CPU = place(WORLD_SIZE, "cpu")
 NAMESPACE = {
-    "DDP": DDP, "DistEnv": DistEnv, "DistributedSampler": DistributedSampler, "Path": Path,
-    "WorkerError": WorkerError, "check": check, "contextlib": contextlib, "copy": copy,
-    "datetime": datetime, "dist": dist, "faulthandler": faulthandler, "free_port": free_port,
-    "launch": launch, "linecache": linecache, "mp": mp, "multiprocessing": multiprocessing,
-    "nn": nn, "os": os, "place": place, "re": re, "run_job": run_job, "signal": signal,
-    "socket": socket, "sys": sys, "tempfile": tempfile, "textwrap": textwrap, "time": time,
-    "torch": torch,
+    **lesson_imports("10", NOTEBOOKS),  # the lesson's own imports
     # the head's parameters and set-up, for the tests
     "WORLD_SIZE": WORLD_SIZE, "SEED": 0, "JOB_TIMEOUT": 60, "hang_timeout": HANG,
     "cpu_placement": CPU,
