@@ -218,17 +218,23 @@ def test_run_lesson_refuses_a_notebook_without_parameters_cell(notebook_writer, 
 def test_find_lessons_in_course_order(tmp_path):
     for name in [
         "10_last.ipynb",
+        "06b_second_part.ipynb",
         "02_b.ipynb",
+        "06a_first_part.ipynb",
         "00_setup.ipynb",
         "notes.ipynb",
         "1_short.ipynb",
         "03_c.txt",
         "05_x.ipynb.bak",
+        "07ab_two_letters.ipynb",
+        "08-dash.ipynb",
     ]:
         (tmp_path / name).write_text("{}")
     assert [p.name for p in find_lessons(tmp_path)] == [
         "00_setup.ipynb",
         "02_b.ipynb",
+        "06a_first_part.ipynb",
+        "06b_second_part.ipynb",
         "10_last.ipynb",
     ]
 

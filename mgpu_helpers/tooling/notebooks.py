@@ -43,11 +43,17 @@ _EDITOR_KEYS = ("lines_to_next_cell", "execution", "collapsed", "scrolled")
 
 
 def find_lessons(directory: str | Path = "notebooks") -> list[Path]:
-    """The lesson notebooks, in course order (their names start with the lesson number)."""
-    paths = sorted(Path(directory).glob("[0-9][0-9]_*.ipynb"))
+    """The lesson notebooks, in course order (their names start with the lesson number).
+
+    A lesson in parts has a letter after its number: ``06a_name.ipynb``, ``06b_name.ipynb``.
+    """
+    paths = sorted(
+        p for p in Path(directory).glob("[0-9][0-9]*.ipynb") if re.match(r"\d\d[a-z]?_", p.name)
+    )
     if not paths:
         raise FileNotFoundError(
-            f"no lesson notebooks (NN_name.ipynb) in {Path(directory).resolve()}"
+            f"no lesson notebooks (NN_name.ipynb, or NNa_name.ipynb for a part) in "
+            f"{Path(directory).resolve()}"
         )
     return paths
 
