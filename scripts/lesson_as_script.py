@@ -909,7 +909,11 @@ def main(argv: list[str] | None = None) -> int:
             params=_parse_params(args.param),
         )
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    notebooks = args.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    notebooks = args.notebooks or sorted(  # NN_name, or NNa_name for a lesson in parts
+        p
+        for p in (ROOT / "notebooks").glob("[0-9][0-9]*.ipynb")
+        if re.match(r"\d\d[a-z]?_", p.name)
+    )
     if not notebooks:
         raise SystemExit(f"no lesson notebooks (NN_name.ipynb) in {ROOT / 'notebooks'}")
     results = run_lessons(
