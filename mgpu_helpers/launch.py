@@ -23,6 +23,7 @@ what PyTorch does not do for a notebook, each marked "Adds:" below:
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import inspect
 import io
 import linecache
@@ -53,7 +54,7 @@ from .dist_env import DistEnv
 from .placement import Placement, place
 from .troubleshooting import see
 
-__all__ = ["WorkerError", "launch"]
+__all__ = ["WorkerError", "launch", "start_fork_server"]
 
 _GRACE_SECONDS = 3.0  # how long a rank gets to exit on its own before it is stopped (or killed)
 _POLL_SECONDS = 0.05
@@ -183,6 +184,7 @@ def launch(
     procs: list[Any] = []
     try:
         try:
+            _wait_for_server(_SERVER_START_SECONDS)
             procs = torch_mp.start_processes(
                 _entry,
                 args=(payload, sources, pipes, spec),
@@ -214,7 +216,7 @@ def _start_method() -> str:
     Adds to ``start_processes(start_method="spawn")``: each rank is forked from a process that
     has already imported torch instead of importing it again (seconds per rank). It keeps
     spawn's safety: the server is a fresh interpreter that never touches CUDA, so the caller may
-    have used CUDA before. The server starts at the first launch and lives as long as the caller.
+    have used CUDA before. The server lives as long as the caller.
     """
     if "forkserver" not in mp.get_all_start_methods():
         raise RuntimeError(
@@ -226,6 +228,65 @@ def _start_method() -> str:
     # a DDP launch 1.9 s without, 0.1 s with)
     mp.get_context("forkserver").set_forkserver_preload([__name__, "torch._dynamo"])
     return "forkserver"
+
+
+# Adds: the fork server starts in the background, and the first launch waits for it at most
+# this long. Its start imports torch once (5-7 s on an idle 2-core laptop, more when busy).
+_SERVER_START_SECONDS = 300.0
+_server = {"thread": None, "ready": threading.Event(), "error": None}
+_server_lock = threading.Lock()
+
+
+def _nothing() -> None:
+    """What the first process forked from the server runs: its start proves the server is up."""
+
+
+def _start_server() -> None:
+    try:
+        process = mp.get_context(_start_method()).Process(target=_nothing, name="mgpu-warm-up")
+        process.start()
+        process.join()
+    except BaseException as exc:  # reported by the launch that waits for the server
+        _server["error"] = exc
+    finally:
+        _server["ready"].set()
+
+
+def start_fork_server() -> None:
+    """Start the launcher's fork server in a background thread, once (lesson 04).
+
+    A Jupyter kernel does this when it imports this module, so the server imports torch while
+    the learner reads; the first launch then waits only for what is left of that. Elsewhere
+    the first launch starts it.
+    """
+    with _server_lock:
+        if _server["thread"] is None:
+            _server["thread"] = threading.Thread(
+                target=_start_server, name="mgpu-fork-server", daemon=True
+            )
+            _server["thread"].start()
+
+
+def _wait_for_server(seconds: float) -> None:
+    """Block until the fork server is up; a clear error instead of an endless wait."""
+    start_fork_server()
+    if not _server["ready"].wait(seconds):
+        raise RuntimeError(
+            f"the launcher's fork server has not started within {seconds:g} s (it imports "
+            "torch once, which a busy machine slows down). Restart the kernel and run the "
+            "cell again; if it happens again, run `mgpu doctor` in a terminal"
+        )
+    if _server["error"] is not None:
+        raise RuntimeError(f"the launcher's fork server failed to start: {_server['error']}")
+
+
+def _in_interactive_shell() -> bool:
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and ipython.get_ipython() is not None
+
+
+if _in_interactive_shell():  # a notebook: start the server while the learner reads
+    start_fork_server()
 
 
 # --- sending the worker (Adds: by value, with its source, refused early if it cannot go) ---
@@ -438,6 +499,9 @@ def _entry(rank: int, payload: bytes, sources: dict, pipes: list[Connection], sp
     os.dup2(log.fileno(), 2)
     sys.stdout = _Forward("stdout", channel, log)
     sys.stderr = _Forward("stderr", channel, log)
+    # Adds: `kill -USR1 <pid>` writes every thread's Python stack to the rank's log, at any
+    # time, even in a collective that never returns (the course runner's hang report uses it).
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True, chain=False)
     for filename, lines in sources.items():  # a notebook cell's source, for the tracebacks
         linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
     timeout = datetime.timedelta(seconds=spec["timeout"])

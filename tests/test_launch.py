@@ -436,3 +436,52 @@ def test_log_folders_are_pruned_safely_while_others_prune_too(tmp_path, monkeypa
         t.join()
     assert errors == []
     assert len(list((tmp_path / "mgpu-runs").glob("run-*"))) <= 3 + len(threads)
+
+
+# --- the fork server's start: in the background in a notebook, and bounded -------------------
+
+_SERVER_PROBE = """
+import sys
+if sys.argv[1] == "shell":
+    from IPython.core.interactiveshell import InteractiveShell
+    InteractiveShell.instance()  # what a Jupyter kernel has: get_ipython() answers
+import multiprocessing.forkserver as forkserver
+import mgpu_helpers.launch as launcher
+started = launcher._server["thread"] is not None
+ready = launcher._server["ready"].wait(120) if started else False
+print(started, ready, launcher._server["error"], forkserver._forkserver._forkserver_pid is not None)
+"""
+
+
+@pytest.mark.parametrize("where", ["shell", "script"])
+def test_a_notebook_starts_the_fork_server_as_it_imports_the_launcher(where: str) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _SERVER_PROBE, where], capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode == 0, done.stderr
+    if where == "shell":  # started in the background, and up
+        assert done.stdout.split() == ["True", "True", "None", "True"], done.stdout
+    else:  # a script or a test starts it at its first launch
+        assert done.stdout.split() == ["False", "False", "None", "False"], done.stdout
+
+
+def test_a_fork_server_that_never_starts_is_an_error_not_an_endless_wait(monkeypatch) -> None:
+    from mgpu_helpers import launch as launcher
+
+    stuck = {"thread": threading.current_thread(), "ready": threading.Event(), "error": None}
+    monkeypatch.setattr(launcher, "_server", stuck)  # started, never ready
+    monkeypatch.setattr(launcher, "_SERVER_START_SECONDS", 0.3)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"fork server has not started within 0.3 s.*Restart"):
+        launch(rank_sum, 2, 1.0, device="cpu", echo=False)
+    assert time.monotonic() - start < 5
+    assert rank_children() == []
+    failed = {"thread": threading.current_thread(), "ready": threading.Event(), "error": None}
+    failed["ready"].set()
+    failed["error"] = OSError("no fork server here")
+    monkeypatch.setattr(launcher, "_server", failed)
+    with pytest.raises(RuntimeError, match="fork server failed to start: no fork server here"):
+        launch(rank_sum, 2, 1.0, device="cpu", echo=False)

@@ -25,6 +25,13 @@ LESSONS = find_lessons(ROOT / "notebooks")
 IDS = [p.stem for p in LESSONS]
 
 
+@pytest.fixture
+def deadline(request: pytest.FixtureRequest) -> float:
+    """Seconds a lesson may run: its runner gives up (and reports where it stood) 30 s before
+    pytest's own timeout would stop the test with only the test process's stack."""
+    return float(request.config.getini("timeout")) - 30
+
+
 @pytest.mark.parametrize("path", LESSONS, ids=IDS)
 def test_committed_notebook_is_clean_and_well_formed(path: Path) -> None:
     nb = nbformat.read(path, as_version=4)
@@ -75,12 +82,12 @@ def verdicts(cells: list) -> dict[str, tuple[bool, str]]:
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", LESSONS, ids=IDS)
 def test_lesson_runs_in_quick_mode_solutions_pass_and_stubs_fail(
-    path: Path, tmp_path: Path
+    path: Path, tmp_path: Path, deadline: float
 ) -> None:
     combined, split = with_student_exercises_appended(nbformat.read(path, as_version=4))
     source = tmp_path / path.name
     nbformat.write(combined, source)
-    run = run_lesson(source, tmp_path / "out", quick=True)
+    run = run_lesson(source, tmp_path / "out", quick=True, deadline=deadline)
     assert run.status == "passed", f"{path.name} failed: {run.error}"
     executed = nbformat.read(run.output_path, as_version=4).cells
     solutions, stubs = verdicts(executed[:split]), verdicts(executed[split:])
@@ -179,11 +186,16 @@ def parameter_choices(source: str) -> dict[str, list[str]]:
 @pytest.mark.settings  # `make test-settings` (CI runs it after `make test`)
 @pytest.mark.parametrize(("path", "params"), SETTING_CASES)
 def test_lesson_passes_on_each_setting(
-    path: Path, params: dict, offline_data: dict[str, str], tmp_path: Path, monkeypatch
+    path: Path,
+    params: dict,
+    offline_data: dict[str, str],
+    tmp_path: Path,
+    monkeypatch,
+    deadline: float,
 ) -> None:
     for name, value in offline_data.items():
         monkeypatch.setenv(name, value)
-    run = run_lesson(path, tmp_path / "out", quick=True, params=params)
+    run = run_lesson(path, tmp_path / "out", quick=True, params=params, deadline=deadline)
     assert run.status == "passed", f"{path.name} with {params} failed: {run.error}"
     failed = [name for name, ok in run.checks.items() if not ok]
     assert not failed, f"{path.name} with {params}: self-checks fail: {failed}"

@@ -39,6 +39,15 @@ def write_report(runs: list[LessonRun], out_dir: str | Path, *, quick: bool) -> 
     return path
 
 
+def _error_html(error: str) -> str:
+    """A one-line error as code; a longer one (a hang's report) folded under its first line."""
+    first, _, rest = error.partition("\n")
+    if not rest:
+        return f"<code>{html.escape(first)}</code>"
+    summary = f"<summary><code>{html.escape(first)}</code></summary>"
+    return f"<details>{summary}<pre>{html.escape(rest)}</pre></details>"
+
+
 def _html(data: dict, runs: list[LessonRun]) -> str:
     e = html.escape
     hw = data["hardware"]
@@ -58,7 +67,7 @@ def _html(data: dict, runs: list[LessonRun]) -> str:
         status = (
             '<td class="ok">passed</td>'
             if r.status == "passed"
-            else f'<td class="bad">failed<br><code>{e(r.error)}</code></td>'
+            else f'<td class="bad">failed<br>{_error_html(r.error)}</td>'
         )
         link = e(Path(r.output_path).name)
         rows.append(

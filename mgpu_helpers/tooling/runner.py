@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import difflib
 import keyword
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import nbformat
 
 from mgpu_helpers.exercises import VERDICT_MIME
 from mgpu_helpers.record import RESULT_MIME
+from mgpu_helpers.tooling.hangs import hang_report, kernel_environ, tail
 from mgpu_helpers.tooling.notebooks import (
     is_self_check_cell,
     parameter_names,
@@ -114,6 +116,36 @@ def _collect(nb: nbformat.NotebookNode, run: LessonRun, *, grading: bool) -> Non
                 run.error = f"{out.get('ename', 'Error')}: {out.get('evalue', '')}"
 
 
+def _client(
+    nb: nbformat.NotebookNode, *, timeout_for, kernel_log: Path, kernel_stacks: Path, **kwargs
+):
+    """nbclient's client, with a report taken when a cell times out, before the kernel stops.
+
+    nbclient shuts the kernel down as soon as a cell times out; the report (``hangs``) must be
+    taken while the kernel and its ranks still run, so it is taken in nbclient's timeout
+    handler, which this overrides.
+    """
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellTimeoutError
+
+    class _Client(NotebookClient):
+        hang: str = ""
+
+        async def _async_handle_timeout(self, timeout, cell=None):  # type: ignore[override]
+            index = next((i for i, c in enumerate(self.nb.cells) if c is cell), None)
+            pid = getattr(getattr(self.km, "provisioner", None), "pid", None)
+            self.hang = f"it ran past its time ({timeout} s)\n" + hang_report(
+                pid, index, cell.source if cell is not None else "", kernel_log, kernel_stacks
+            )
+            if cell is None:  # a wait outside any cell (the kernel's first answer)
+                raise CellTimeoutError(f"the kernel did not answer within {timeout} s")
+            return await super()._async_handle_timeout(timeout, cell)
+
+    # ``timeout`` bounds the waits outside cells (the kernel's first answer); nbclient's own
+    # default is to wait for ever.
+    return _Client(nb, timeout_func=timeout_for, timeout=60, **kwargs)
+
+
 def run_lesson(
     path: str | Path,
     out_dir: str | Path,
@@ -121,14 +153,18 @@ def run_lesson(
     quick: bool,
     params: Mapping[str, object] | None = None,
     cell_timeout: int = 1800,
+    deadline: float | None = None,
     grading: bool = False,
 ) -> LessonRun:
     """Execute one notebook in a fresh kernel and write the executed copy to ``out_dir``.
 
     ``params`` are injected as given (:func:`run_course` first checks their names);
     ``grading=True`` runs it as an autograder would (``MGPU_GRADING=1``: failed checks raise).
+    A cell may run ``cell_timeout`` seconds, and the whole lesson ``deadline`` seconds (kernel
+    start included). A cell that runs out of time fails the lesson with a report of where it
+    stood (the cell, the kernel's and every live rank's stacks, the kernel log's tail), also
+    written to ``<lesson>.hang.txt``.
     """
-    from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     path = Path(path)
@@ -137,30 +173,50 @@ def run_lesson(
     nb = nbformat.read(path, as_version=4)
     inject_parameters(nb, params or {})
     run = LessonRun(name=path.stem, status="passed", seconds=0.0, params=dict(params or {}))
-    client = NotebookClient(
+    start = time.perf_counter()
+
+    def timeout_for(cell: nbformat.NotebookNode) -> int:
+        if deadline is None:
+            return cell_timeout
+        left = deadline - (time.perf_counter() - start)
+        return max(1, min(cell_timeout, math.ceil(left)))
+
+    # What the kernel and its child processes print outside the notebook (their own warnings,
+    # the tracebacks of lesson 04's deliberate mp.spawn failure) goes to a log, not the console.
+    kernel_log = out_dir / f"{path.stem}.kernel.log"
+    kernel_stacks = out_dir / f"{path.stem}.kernel-stacks.txt"  # written only on a hang
+    client = _client(
         nb,
-        timeout=cell_timeout,
+        timeout_for=timeout_for,
+        kernel_log=kernel_log,
+        kernel_stacks=kernel_stacks,
         kernel_name="python3",
         resources={"metadata": {"path": str(path.parent.resolve())}},
     )
-    start = time.perf_counter()
     env = {
         "MGPU_QUICK": "1" if quick else "0",
         "MGPU_GRADING": "1" if grading else "0",
         "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+        **kernel_environ(kernel_stacks),  # its stacks on a signal: the report on a hang
     }
-    # What the kernel and its child processes print outside the notebook (their own warnings,
-    # the tracebacks of lesson 04's deliberate mp.spawn failure) goes to a log, not the console.
-    kernel_log = out_dir / f"{path.stem}.kernel.log"
     try:
         with temporary_environ(env), open(kernel_log, "w") as log:
             client.execute(stdout=log, stderr=log)
     except CellExecutionError as exc:
         run.status = "failed"
         run.error = f"{exc.ename}: {exc.evalue}"
-    except (CellTimeoutError, DeadKernelError) as exc:
+    except CellTimeoutError as exc:
         run.status = "failed"
-        run.error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+        run.error = f"CellTimeoutError: {client.hang or str(exc).strip().splitlines()[0]}"
+        if client.hang:
+            (out_dir / f"{path.stem}.hang.txt").write_text(client.hang + "\n")
+    except DeadKernelError as exc:
+        run.status = "failed"
+        first = str(exc).strip().splitlines()[0]
+        run.error = (
+            f"DeadKernelError: {first}\nthe kernel log's last lines ({kernel_log}):\n"
+            + tail(kernel_log)
+        )
     run.seconds = time.perf_counter() - start
     _collect(nb, run, grading=grading)
     out_path = out_dir / path.name
