@@ -136,12 +136,17 @@ class Timeline:
 
 
 def run_stages(
-    run_stage: Callable[[int], None], n_stages: int, queues: Sequence[queue.Queue]
+    run_stage: Callable[[int], None],
+    n_stages: int,
+    queues: Sequence[queue.Queue],
+    *,
+    timeout: float = 600.0,
 ) -> None:
     """Run ``run_stage(s)`` for each stage in a thread of its own and wait for all (lesson 05).
 
     If a stage raises, every queue in ``queues`` gets a ``None``, so that stages waiting there
-    fail to unpack it instead of waiting for ever, and the first error is raised here.
+    fail to unpack it instead of waiting for ever, and the first error is raised here. A stage
+    still running after ``timeout`` seconds is a RuntimeError naming it, not an endless wait.
     """
     errors: list[BaseException] = []
 
@@ -156,10 +161,19 @@ def run_stages(
     threads = [threading.Thread(target=run, args=(s,), daemon=True) for s in range(n_stages)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout
     for t in threads:
-        t.join()
+        t.join(max(0.0, deadline - time.monotonic()))
     if errors:
         raise errors[0]
+    if stuck := [s for s, t in enumerate(threads) if t.is_alive()]:
+        for q in queues:  # wake the waiting stages: they fail, and their threads end
+            q.put(None)
+        raise RuntimeError(
+            f"stage(s) {stuck} still ran after {timeout:g} s: a stage waits for a message that "
+            "no other stage sends (each forward must send its activation on, each backward its "
+            "gradient back), or the machine is far too busy; check run_stage's sends and receives"
+        )
 
 
 def forward_overlap(events: Sequence[Event], stage: int = 0) -> float:

@@ -127,6 +127,22 @@ def test_run_stages_raises_the_first_error_and_wakes_the_waiting_stages() -> Non
     assert got == [None]
 
 
+def test_a_stage_that_waits_for_ever_is_an_error_naming_it() -> None:
+    import queue
+    import time
+
+    queues = [queue.Queue() for _ in range(2)]
+
+    def run_stage(s: int) -> None:
+        if s == 1:
+            queues[1].get()  # no stage ever sends to it
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"stage\(s\) \[1\] still ran after 0.5 s"):
+        run_stages(run_stage, 2, queues, timeout=0.5)
+    assert time.monotonic() - start < 5
+
+
 def test_more_micro_batches_than_samples_gives_one_per_sample() -> None:
     torch.manual_seed(0)
     whole = mlp(64, hidden=32, depth=2)
