@@ -8,7 +8,12 @@ FashionMNIST come through torchvision and download into the course's ``data/`` f
 from __future__ import annotations
 
 import os
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +97,8 @@ def torchvision_dataset(
     ``root`` goes through :func:`~mgpu_helpers.config.resolve_data_dir` (None: the course's
     data folder); files on disk are used as they are, else downloaded when ``download`` is true.
     ``augment`` adds random crops and flips to CIFAR-10's training images. A failure raises a
-    one-line RuntimeError that names the offline data set, digits.
+    one-line RuntimeError that names the offline data set, digits; offline, within seconds
+    (a probe of the server comes first, see ``PROBE_SECONDS``).
     """
     from torchvision import datasets, transforms
 
@@ -123,6 +129,12 @@ def torchvision_dataset(
                 f"{name} is not in {root!r}; allow the download or use dataset='digits', "
                 "which needs none"
             ) from None
+    unreachable = _unreachable(list(getattr(cls, "mirrors", None) or [cls.url]))
+    if unreachable:
+        raise RuntimeError(
+            f"could not download {name} into {root!r} ({unreachable}); "
+            "offline? use dataset='digits', which ships with scikit-learn"
+        )
     try:
         return cls(root=root, train=train, download=True, transform=transform)
     except Exception as exc:  # URLError, HTTPError, checksum errors, ...
@@ -131,6 +143,60 @@ def torchvision_dataset(
             f"could not download {name} into {root!r} ({reason}); "
             "offline? use dataset='digits', which ships with scikit-learn"
         ) from None
+
+
+# torchvision downloads through urllib without a timeout. Offline, where DNS does not answer,
+# the network drops packets or a firewall holds the connection open, urllib waits for the
+# operating system's own timeouts (55 s measured, or for ever) before "offline? use digits"
+# appears. The probe first asks each server for the headers of its URL (HTTP HEAD, through any
+# proxy urllib would use) under a deadline, so an offline machine hears it within seconds;
+# online it costs one small request, then torchvision downloads as before.
+PROBE_SECONDS = 5.0
+
+
+def _unreachable(urls: Sequence[str], timeout: float | None = None) -> str | None:
+    """Why no server of ``urls`` answered within ``timeout`` s; None when one did (lesson 02).
+
+    ``timeout`` None: ``PROBE_SECONDS``, read at each call. Any HTTP answer counts (a 404 too:
+    the network works). Each probe runs in a daemon thread,
+    because the name lookup (``getaddrinfo``) has no timeout of its own; a probe still waiting
+    at the deadline is left to end by itself.
+    """
+    urls = list(dict.fromkeys(urls))  # each server once
+    if not urls:
+        raise ValueError("no URL to probe")
+    timeout = PROBE_SECONDS if timeout is None else timeout
+    lock, done = threading.Lock(), threading.Event()
+    answered: list[str] = []
+    errors: dict[str, str] = {}
+
+    def probe(url: str) -> None:
+        request = urllib.request.Request(url, method="HEAD")
+        try:
+            urllib.request.urlopen(request, timeout=timeout).close()
+        except urllib.error.HTTPError:
+            pass  # the server answered, with an error status: the network works
+        except Exception as exc:  # URLError, TimeoutError, http.client errors, ...
+            reason = getattr(exc, "reason", None) or exc
+            with lock:
+                errors[url] = (str(reason).strip().splitlines() or [type(exc).__name__])[0]
+                if len(errors) == len(urls):
+                    done.set()
+            return
+        with lock:
+            answered.append(url)
+        done.set()
+
+    for url in urls:
+        threading.Thread(target=probe, args=(url,), daemon=True, name="mgpu-probe").start()
+    done.wait(timeout)
+    with lock:
+        if answered:
+            return None
+        late = f"no answer within {timeout:g} s"
+        return "; ".join(
+            f"{urllib.parse.urlsplit(url).hostname}: {errors.get(url, late)}" for url in urls
+        )
 
 
 def build_datasets(cfg: LessonConfig) -> tuple[Dataset, Dataset, DataInfo]:
@@ -208,7 +274,7 @@ def make_loader(
 
 
 class EncodedImages(Dataset):
-    """Images kept compressed and decoded, cropped, mirrored and blurred per sample (lesson 06).
+    """Images kept compressed and decoded, cropped, mirrored and blurred per sample (lesson 02).
 
     It does on the CPU what a real image loader does for every sample it hands out: decompress
     (zlib, standing in for PNG/JPEG), convert to float, take a random crop, maybe mirror,

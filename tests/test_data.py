@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import http.server
 import os
 import pickle
+import socket
 import struct
+import threading
+import time
 import urllib.error
 from pathlib import Path
 
@@ -16,9 +20,12 @@ import torchvision
 from torch.utils.data import DataLoader, Dataset, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
+from mgpu_helpers import data as data_module
 from mgpu_helpers.config import QUICK_LIMITS, LessonConfig, apply_quick
 from mgpu_helpers.data import (
     INFO,
+    PROBE_SECONDS,
+    _unreachable,
     build_datasets,
     digits,
     loader_settings,
@@ -311,6 +318,7 @@ def test_failed_download_names_the_offline_default(tmp_path, monkeypatch, name, 
         raise urllib.error.URLError("offline")
 
     monkeypatch.setattr(cls, "download", offline)  # nothing touches the network
+    monkeypatch.setattr(data_module, "_unreachable", lambda urls: None)  # as if online
     with pytest.raises(RuntimeError) as info:
         torchvision_dataset(name, str(tmp_path), train=True)
     message = str(info.value)
@@ -319,6 +327,137 @@ def test_failed_download_names_the_offline_default(tmp_path, monkeypatch, name, 
     assert "digits" in message and "offline" in message
     assert str(tmp_path) in message
     assert info.value.__cause__ is None  # one clean error, not a chained traceback
+
+
+def _assert_offline_message(message: str, name: str, root: Path) -> None:
+    assert "\n" not in message
+    assert "digits" in message and "offline" in message
+    assert name in message and str(root) in message
+
+
+@pytest.fixture
+def no_dns(monkeypatch):
+    """Name lookups of other machines fail at once, as on a machine without a network."""
+    real = socket.getaddrinfo
+
+    def lookup(host, *args, **kwargs):
+        if host in ("localhost", "127.0.0.1", "::1"):
+            return real(host, *args, **kwargs)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+
+
+@pytest.fixture
+def silent_dns(monkeypatch):
+    """Name lookups that never answer (an unreachable DNS server); released after the test."""
+    release = threading.Event()
+
+    def lookup(*args, **kwargs):
+        release.wait(60)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    yield
+    release.set()  # the probe threads still waiting end now
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    """No proxy from the environment: the probe talks to the test's own local server."""
+    for var in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_the_probe_deadline_is_a_few_seconds():
+    assert 1 <= PROBE_SECONDS <= 5
+
+
+@pytest.mark.parametrize("name", ["fashionmnist", "cifar10"])
+def test_offline_the_download_fails_at_once_naming_digits(tmp_path, no_dns, name):
+    # no name resolves, and conftest's _offline guard refuses any connection that is not local
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError) as info:
+        torchvision_dataset(name, str(tmp_path), train=True)
+    assert time.perf_counter() - start < 3
+    _assert_offline_message(str(info.value), name, tmp_path)
+    assert "Temporary failure in name resolution" in str(info.value)
+    assert info.value.__cause__ is None
+    assert list(tmp_path.iterdir()) == []  # the download never started
+
+
+@pytest.mark.parametrize("name", ["fashionmnist", "cifar10"])
+def test_a_name_lookup_that_never_answers_fails_at_the_deadline(
+    tmp_path, monkeypatch, silent_dns, name
+):
+    # getaddrinfo has no timeout: without the probe, urllib waited for it (55 s measured)
+    monkeypatch.setattr(data_module, "PROBE_SECONDS", 0.5)
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError) as info:
+        torchvision_dataset(name, str(tmp_path), train=True)
+    assert time.perf_counter() - start < 2.5, "the probe's deadline did not hold"
+    _assert_offline_message(str(info.value), name, tmp_path)
+    assert "no answer within 0.5 s" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+class _Silent(http.server.BaseHTTPRequestHandler):
+    """Accepts the request and never answers (a firewall that holds the connection open)."""
+
+    def do_HEAD(self) -> None:
+        time.sleep(3)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+class _NotFound(http.server.BaseHTTPRequestHandler):
+    def do_HEAD(self) -> None:
+        self.send_response(404)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def local_server(direct):
+    """Starts an HTTP server on the loopback address with a given handler; returns its URL."""
+    servers = []
+
+    def serve(handler: type) -> str:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}/file.tar.gz"
+
+    yield serve
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_server_that_never_answers_fails_at_the_deadline(local_server):
+    url = local_server(_Silent)
+    start = time.perf_counter()
+    reason = _unreachable([url], timeout=0.5)
+    assert time.perf_counter() - start < 2.0
+    assert reason is not None and "127.0.0.1" in reason
+
+
+def test_any_http_answer_means_online_so_the_download_goes_ahead(local_server):
+    # a 404 still proves the network works: torchvision's own download then reports it
+    assert _unreachable([local_server(_NotFound)], timeout=2.0) is None
+    # one answering mirror is enough (port 9, discard, refuses the connection)
+    assert _unreachable(["http://127.0.0.1:9/", local_server(_NotFound)], timeout=2.0) is None
+
+
+def test_the_probe_names_each_server_that_failed(no_dns, direct):
+    reason = _unreachable(["http://127.0.0.1:9/a", "https://example.invalid/b"], timeout=2.0)
+    assert reason is not None and "127.0.0.1: " in reason and "example.invalid: " in reason
+    with pytest.raises(ValueError, match="no URL"):
+        _unreachable([])
 
 
 @pytest.mark.parametrize("name", ["fashionmnist", "cifar10"])
