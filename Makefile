@@ -13,7 +13,7 @@ GRADING_STAMP := $(GRADING)/.installed
 # Cloud images and containers often log in as root, which JupyterLab refuses without this flag.
 ROOT_FLAG  := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: envs lab course test test-settings test-fast student doctor lint benchmark grading-env clean
+.PHONY: envs lab course test test-settings test-fast student doctor lint benchmark budget grading-env clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,13 @@ test-fast: $(STAMP)  ## lint and unit tests, no notebooks and no nbgrader (for i
 
 student: $(STAMP)  ## the student copy of the course (solutions stubbed) in build/student/
 	$(BIN)/mgpu student
+
+# The lesson budget (docs/authoring.md). RUN_TIMES=build/course/report.json, from a full-mode
+# `make course`, adds each lesson's reading + run minutes beside the estimate it states.
+RUN_TIMES_FLAG := $(if $(RUN_TIMES),--run-times $(RUN_TIMES),)
+
+budget: $(STAMP)  ## every lesson against the lesson budget (RUN_TIMES=...: the honest estimate)
+	$(BIN)/mgpu budget $(RUN_TIMES_FLAG)
 
 doctor: $(STAMP)  ## environment report
 	$(BIN)/mgpu doctor

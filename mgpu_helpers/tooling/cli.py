@@ -1,4 +1,4 @@
-"""The ``mgpu`` command: ``doctor`` (lesson 00), ``course``, ``student`` and ``clean``."""
+"""The ``mgpu`` command: ``doctor`` (lesson 00), ``course``, ``student``, ``clean``, ``budget``."""
 
 from __future__ import annotations
 
@@ -88,10 +88,26 @@ def main(argv: list[str] | None = None) -> int:
         help="the lessons; their parent folder is the course that is copied",
     )
     student.add_argument("--out", default="build/student", help="where the copy goes")
+    budget = sub.add_parser(
+        "budget",
+        help="each lesson's load against the lesson budget (docs/authoring.md); non-zero exit "
+        "when a lesson not in the baseline is over it, a listed one got worse or fits now",
+    )
+    budget.add_argument("--notebooks", default="notebooks", help="folder with the lessons")
+    budget.add_argument(
+        "--run-times",
+        default=None,
+        metavar="REPORT",
+        help="build/course/report.json of a full-mode `make course`: adds each lesson's run "
+        "minutes to its reading minutes, beside the estimate the lesson states",
+    )
+    budget.add_argument("paths", nargs="*", help="notebooks to measure (default: every lesson)")
     args = parser.parse_args(argv)
 
     if args.command == "doctor":
         return doctor()
+    if args.command == "budget":
+        return _budget(parser, args)
     from mgpu_helpers.tooling.notebooks import clean_notebook, find_lessons
 
     if args.command == "clean" and args.paths:  # the named notebooks, wherever they are
@@ -133,6 +149,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _budget(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from mgpu_helpers.tooling.budget import print_budget
+    from mgpu_helpers.tooling.notebooks import find_lessons
+
+    try:
+        paths = [Path(p) for p in args.paths] or find_lessons(args.notebooks)
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            parser.error(f"no such notebook: {', '.join(missing)}")
+        return print_budget(paths, run_times=args.run_times, all_lessons=not args.paths)
+    except (FileNotFoundError, ValueError) as exc:
+        parser.error(str(exc))
 
 
 if __name__ == "__main__":
