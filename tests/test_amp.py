@@ -1,25 +1,44 @@
-"""Lesson 06, section 5: mixed precision on the CPU, with the lesson's own step from its notebook.
+"""Lesson 06c (mixed precision), with the lesson's own code read from its notebook.
 
-bf16 autocast stays close to float32 (tolerances say why), and the GradScaler step the lesson
-writes (unscale, then clip) applies float32's clipped gradients; clipping before unscaling
-does not.
+bf16 autocast stays within the lesson's derived bound of float32; fp16 loses small gradients
+without a scaler and keeps them with one; the scaled step (unscale, then clip) applies float32's
+clipped gradients, and clipping before unscaling changes the step exactly when S·‖g‖ > max_norm;
+DDP under autocast all-reduces float32 gradients.
 """
 
 from __future__ import annotations
 
+import math
+import types
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mgpu_helpers.devices import full_float32
+from mgpu_helpers.dist_env import DistEnv
+from mgpu_helpers.launch import launch
 from mgpu_helpers.lesson_code import load_lesson_code
+from mgpu_helpers.models import count_parameters, mlp
 
-LESSON = load_lesson_code(
-    "06",
-    ["amp_step", "amp_scaler", "amp_gradient", "rel_error"],
-    {"F": F, "nn": nn, "torch": torch, "amp_device": torch.device("cpu")},
-)
+NAMES = ["amp_step", "amp_scaler", "amp_gradient", "rel_error"]
+
+
+def load(names: list[str], extra: dict) -> types.SimpleNamespace:
+    """The lesson's definitions `names`, run with its imports and `extra`."""
+    return load_lesson_code("06c", names, {"F": F, "nn": nn, "torch": torch, **extra})
+
+
+def lesson(device: torch.device) -> types.SimpleNamespace:
+    return load(NAMES, {"amp_device": device})
+
+
+LESSON = lesson(torch.device("cpu"))
+S = 2.0**16  # exact in binary: scaling and unscaling by it change no bits
 
 
 def model_and_batch(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -31,35 +50,48 @@ def model_and_batch(seed: int = 0) -> tuple[nn.Module, torch.Tensor, torch.Tenso
     return model, torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
 
 
+def test_bf16_has_float32s_range_and_fp16_does_not() -> None:
+    bf16, fp32, fp16 = (torch.finfo(t) for t in (torch.bfloat16, torch.float32, torch.float16))
+    assert bf16.tiny == fp32.tiny and bf16.max < fp32.max < 1.01 * bf16.max
+    assert torch.tensor(1e-30).to(torch.bfloat16) != 0  # far below fp16's range, kept
+    assert torch.tensor(1e-8).to(torch.float16) == 0
+    assert torch.tensor(1e-44).to(torch.bfloat16) == 0 < torch.tensor(1e-44)  # float32's subnormals
+
+
 def test_bf16_autocast_gradients_are_close_to_float32() -> None:
     model, x, y = model_and_batch()
     reference = LESSON.amp_gradient(model, x, y, torch.float32)
     bf16 = LESSON.amp_gradient(model, x, y, torch.bfloat16)
-    # bf16 keeps 8 significant bits (relative step 2^-8): a few percent over sums of products
-    assert 0 < LESSON.rel_error(bf16, reference) < 0.1
+    # the lesson's allowance for bf16 gradients (cancellation and ReLU flips, section 3)
+    assert 0 < LESSON.rel_error(bf16, reference) < 0.2
 
 
-def test_bf16_training_follows_float32() -> None:
-    losses = {}
+def test_bf16_training_stays_within_the_lessons_bound() -> None:
+    """|loss16 − loss32| <= 2·τ·max|logit| with τ = 4·√layers·u (section 3's derivation)."""
+    tau = 4 * math.sqrt(3) * 2.0**-8  # three linear layers
+    losses, largest = {}, []
     for dtype in (torch.float32, torch.bfloat16):
         model, x, y = model_and_batch()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         scaler = LESSON.amp_scaler(dtype)
         assert not scaler.is_enabled(), "bf16 and float32 need no scaler"
-        losses[dtype] = [
-            LESSON.amp_step(model, optimizer, scaler, x, y, dtype, 1.0).item() for _ in range(8)
-        ]
+        losses[dtype] = []
+        for _ in range(8):
+            if dtype == torch.float32:
+                with torch.no_grad():
+                    largest.append(model(x).abs().max().item())
+            losses[dtype].append(LESSON.amp_step(model, optimizer, scaler, x, y, dtype).item())
     assert losses[torch.float32][-1] < losses[torch.float32][0] - 0.1, "the loss should fall"
-    for a, b in zip(losses[torch.bfloat16], losses[torch.float32], strict=True):
-        assert abs(a - b) < 0.02 * b  # bf16's rounding, not a different course
+    for a, b, z in zip(losses[torch.bfloat16], losses[torch.float32], largest, strict=True):
+        assert abs(a - b) <= 2 * tau * z
 
 
 def test_the_scaled_step_unscales_before_clipping() -> None:
-    """A scaled float32 step (S = 2^16, exact in binary) with clipping = float32's clipped step."""
+    """A scaled float32 step with clipping = float32's clipped step."""
     model, x, y = model_and_batch()
     reference, _, _ = model_and_batch()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    scaler = torch.amp.GradScaler("cpu", init_scale=S)
     LESSON.amp_step(model, optimizer, scaler, x, y, torch.float32, max_norm=0.05)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
     F.cross_entropy(reference(x), y).backward()
@@ -68,33 +100,85 @@ def test_the_scaled_step_unscales_before_clipping() -> None:
     ref_optimizer.step()
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
-    assert scaler.get_scale() == 2.0**16, "no overflow: the scale stays"
+    assert scaler.get_scale() == S, "no overflow: the scale stays"
 
 
-def test_clipping_scaled_gradients_shrinks_the_update_by_the_scale() -> None:
+def clip_first_gradients(max_norm: float) -> tuple[float, float]:
+    """(norm of the gradients a step applies when clipped before unscaling, the true norm)."""
     model, x, y = model_and_batch()
-    before = [p.detach().clone() for p in model.parameters()]
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # the gradients are what we look at
+    scaler = torch.amp.GradScaler("cpu", init_scale=S)
     scaler.scale(F.cross_entropy(model(x), y)).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # the wrong order
-    scaler.step(optimizer)
-    moved = torch.cat([(p - b).flatten() for p, b in zip(model.parameters(), before, strict=True)])
-    assert 0 < moved.norm() < 0.5 * 0.05 / 2.0**16 * 1.01  # lr · max_norm / S
+    true_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item() / S
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # the wrong order
+    scaler.step(optimizer)  # unscales the gradients in place
+    return torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item(), true_norm
+
+
+@pytest.mark.parametrize("times_norm", [0.5, 2.0, 2 * S])
+def test_clipping_before_unscaling_changes_the_step_exactly_when_s_g_exceeds_max_norm(
+    times_norm: float,
+) -> None:
+    _, g = clip_first_gradients(1.0)
+    moved, _ = clip_first_gradients(times_norm * g)
+    if S * g > times_norm * g:  # the first two cases: shrunk to max_norm / S
+        assert math.isclose(moved, times_norm * g / S, rel_tol=1e-4)
+    else:  # S·‖g‖ <= max_norm: nothing clipped, the true gradient applied
+        assert math.isclose(moved, g, rel_tol=1e-4)
 
 
 def test_fp16_on_the_cpu_needs_the_scaler_for_small_gradients() -> None:
     model, x, y = model_and_batch()
     reference = LESSON.amp_gradient(model, x, y, torch.float32, factor=1e-4)
     plain = LESSON.amp_gradient(model, x, y, torch.float16, factor=1e-4)
-    scaled = LESSON.amp_gradient(model, x, y, torch.float16, factor=1e-4, scale=2.0**16)
+    scaled = LESSON.amp_gradient(model, x, y, torch.float16, factor=1e-4, scale=S)
+    bf16 = LESSON.amp_gradient(model, x, y, torch.bfloat16, factor=1e-4)
     assert LESSON.rel_error(scaled, reference) < 0.02  # fp16: 11 significant bits
     assert LESSON.rel_error(plain, reference) > 5 * LESSON.rel_error(scaled, reference)
+    nonzero = reference != 0
+    lost = {
+        name: ((g == 0) & nonzero).float().mean().item()
+        for name, g in (("plain", plain), ("scaled", scaled), ("bf16", bf16))
+    }
+    assert lost["plain"] > 10 * max(lost["scaled"], lost["bf16"], 1e-4), lost
 
 
-@pytest.mark.parametrize("dtype", [torch.float16])
-def test_fp16_gets_an_enabled_scaler(dtype: torch.dtype) -> None:
-    assert LESSON.amp_scaler(dtype).is_enabled()
+def test_fp16_gets_an_enabled_scaler() -> None:
+    assert LESSON.amp_scaler(torch.float16).is_enabled()
+
+
+def test_ddp_under_autocast_all_reduces_float32_gradients() -> None:
+    """Section 2.1's worker on 2 CPU ranks: float32 buckets, 4 bytes per parameter."""
+    names = ["make_model", "make_batch", "bucket_spy", "autocast_ddp_worker"]
+    constants = {
+        "IN_FEATURES": 256,
+        "CLASSES": 10,
+        "SEED": 0,
+        "WIDTH": 64,
+        "DEPTH": 2,
+        "BATCH_SIZE": 8,
+    }
+    code = load(
+        names,
+        {
+            "dist": dist,
+            "DDP": DDP,
+            "default_hooks": default_hooks,
+            "DistEnv": DistEnv,
+            "full_float32": full_float32,
+            "mlp": mlp,
+            **constants,
+        },
+    )
+    ranks = launch(
+        code.autocast_ddp_worker, 2, torch.bfloat16, device="cpu", echo=False, timeout=60
+    )
+    n_params = count_parameters(code.make_model())
+    for result in ranks:
+        assert result["logits"] == "torch.bfloat16"
+        assert {kind for kind, _ in result["sent"]} == {"torch.float32"}
+        assert sum(n for _, n in result["sent"]) == 4 * n_params
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]
 
 
 @pytest.mark.gpu
@@ -102,15 +186,14 @@ def test_autocast_on_the_gpu_stays_close_trains_and_keeps_less_for_backward() ->
     """bf16 from compute capability 8.0 on, else fp16 with the scaler: the lesson's choice."""
     full_float32()  # the float32 reference without TF32
     dev = torch.device("cuda:0")
-    names = ["amp_step", "amp_scaler", "amp_gradient", "rel_error"]
-    gpu = load_lesson_code("06", names, {"F": F, "nn": nn, "torch": torch, "amp_device": dev})
+    gpu = lesson(dev)
     fp16 = torch.cuda.get_device_capability(dev) < (8, 0)
     dtype = torch.float16 if fp16 else torch.bfloat16
     model, x, y = model_and_batch()
     model, x, y = model.to(dev), x.to(dev), y.to(dev)
     reference = gpu.amp_gradient(model, x, y, torch.float32)
-    mixed = gpu.amp_gradient(model, x, y, dtype, scale=2.0**16 if fp16 else 1.0)
-    assert gpu.rel_error(mixed, reference) < 0.1
+    mixed = gpu.amp_gradient(model, x, y, dtype, scale=S if fp16 else 1.0)
+    assert gpu.rel_error(mixed, reference) < (0.05 if fp16 else 0.2)
     optimizer, scaler = torch.optim.SGD(model.parameters(), lr=0.1), gpu.amp_scaler(dtype)
     assert scaler.is_enabled() == fp16
     losses = [gpu.amp_step(model, optimizer, scaler, x, y, dtype, 1.0).item() for _ in range(8)]
