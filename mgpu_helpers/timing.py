@@ -4,7 +4,9 @@ GPU kernels run asynchronously, so :func:`measure` synchronises before reading t
 up first and reports the median of several repeats: the rules lesson 01 writes out by hand.
 To compare two ways of doing the same work on a busy machine, :func:`measure_alternating` times
 them in rounds, so a slow spell hits both alike, and :func:`compare` says from the rounds
-whether one was really faster.
+whether one was really faster. In a distributed run (lesson 06) every rank calls it with the
+same functions, and it lines the ranks up before each timed call, so that no function is
+charged for the time a late rank kept the others waiting.
 """
 
 from __future__ import annotations
@@ -16,8 +18,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["Comparison", "Timing", "compare", "measure", "measure_alternating", "synchronize"]
+__all__ = [
+    "Comparison",
+    "Timing",
+    "compare",
+    "measure",
+    "measure_alternating",
+    "round_orders",
+    "synchronize",
+]
 
 
 Devices = torch.device | str | Sequence[torch.device | str]
@@ -65,6 +76,10 @@ def measure(
     """Time ``fn()``: ``warmup`` untimed calls, then ``repeats`` synchronised timed calls.
 
     ``device`` may be a list: work spread over several GPUs is timed until all have finished.
+    It times this process only and never waits for other ranks, so one rank may call it alone
+    (lesson 06 times a memory copy on rank 0 while the others wait). To time work that several
+    ranks do together, use :func:`measure_alternating` (it lines the ranks up before each timed
+    call) or :func:`mgpu_helpers.comm.time_collective`.
     """
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
@@ -80,35 +95,103 @@ def measure(
     return Timing(tuple(times))
 
 
+def round_orders(n: int, rounds: int) -> list[tuple[int, ...]]:
+    """The order in which :func:`measure_alternating` calls ``n`` functions in each round.
+
+    A balanced Latin square (a Williams design): row ``k`` is the zigzag ``0, 1, n-1, 2, n-2,
+    ...`` with ``k`` added to every entry (mod ``n``). For even ``n``, ``n`` rows put every
+    function once in every position and right after every other function exactly once; for odd
+    ``n`` each row is followed by its reverse, and ``2n`` rows do the same with every pair twice.
+    More rounds repeat the rows. A plain rotation (ABC, BCA, CAB) would instead keep B right
+    after A in every round, so whatever A leaves behind would always fall on B. The orders depend
+    on ``n`` and ``rounds`` only: every rank of a distributed run computes the same ones and so
+    calls the same collectives in the same sequence.
+    """
+    if n < 1 or rounds < 0:
+        raise ValueError(f"need n >= 1 functions and rounds >= 0, got n={n} and rounds={rounds}")
+    zigzag = [0]
+    low, high = 1, n - 1
+    while low <= high:
+        zigzag.append(low)
+        if low != high:
+            zigzag.append(high)
+        low, high = low + 1, high - 1
+    rows = []
+    for k in range(n):
+        row = tuple((i + k) % n for i in zigzag)
+        rows.append(row)
+        if n % 2 == 1 and n > 1:
+            rows.append(row[::-1])
+    return [rows[r % len(rows)] for r in range(rounds)]
+
+
+def _as_list(device: Devices) -> list[torch.device]:
+    items = device if isinstance(device, (list, tuple)) else [device]
+    return [torch.device(d) for d in items]  # type: ignore[arg-type]
+
+
+def _line_up_ranks(device: Devices, group: dist.ProcessGroup | None) -> None:
+    """Return on every rank of ``group`` at about the same moment, with every device idle.
+
+    The order matters. First this rank's devices finish what was queued: a rank whose GPU is
+    still busy must not count as ready. Then the barrier: no rank leaves it before the last
+    one has arrived. Reversed, a rank would pass the barrier and then wait for its own device,
+    and start its clock late, which is the skew this removes. NCCL runs the barrier as a
+    one-element all-reduce on a GPU, so it gets this rank's own GPU (``device_ids``) instead of
+    a guess, and the host waits for that GPU before the clock starts.
+    """
+    synchronize(device)
+    if "nccl" not in str(dist.get_backend(group)):  # gloo: the barrier runs on the host
+        dist.barrier(group=group)
+        return
+    cuda = [d for d in _as_list(device) if d.type == "cuda"]
+    index = cuda[0].index if cuda and cuda[0].index is not None else torch.cuda.current_device()
+    dist.barrier(group=group, device_ids=[index])
+    synchronize(torch.device("cuda", index))
+
+
 def measure_alternating(
     fns: Mapping[str, Callable[[], object]],
     device: Devices = "cpu",
     *,
     warmup: int = 2,
     repeats: int = 5,
+    group: dist.ProcessGroup | None = None,
+    sync_ranks: bool = True,
 ) -> dict[str, Timing]:
     """Time several functions in rounds: one synchronised call of each per round (lesson 03).
 
-    A slow spell of the machine then falls on all of them, not on whichever ran then; the order
-    rotates so that none always runs first. Each :class:`Timing`'s ``times[i]`` come from round
-    ``i``, ready for :func:`compare`.
+    A slow spell of the machine then falls on all of them, not on whichever ran then. The order
+    changes from round to round (:func:`round_orders`), so that no function always runs first
+    or always right after the same other one. Each :class:`Timing`'s ``times[i]`` come from
+    round ``i``, ready for :func:`compare`.
+
+    In a distributed run (lesson 06) every rank of ``group`` (default: all ranks) must call it
+    with the same functions in the same order. Before each timed call it synchronises this
+    rank's devices and waits at a barrier for the other ranks, outside the clock: without that,
+    a function timed right after one that left the ranks apart (one rank still working) would
+    wait for the late rank at its first collective, and be charged for it. With
+    ``sync_ranks=False`` it never waits for other ranks (for functions one rank times alone).
     """
     if not fns:
         raise ValueError("nothing to time: pass a dict of name -> function")
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got {warmup} and {repeats}")
     names = list(fns)
+    together = sync_ranks and dist.is_available() and dist.is_initialized()
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     synchronize(device)
     times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+    for order in round_orders(len(names), repeats):
+        for i in order:
+            if together:
+                _line_up_ranks(device, group)
             start = time.perf_counter()
-            fns[name]()
+            fns[names[i]]()
             synchronize(device)
-            times[name].append(time.perf_counter() - start)
+            times[names[i]].append(time.perf_counter() - start)
     return {name: Timing(tuple(times[name])) for name in names}
 
 

@@ -1,14 +1,26 @@
-"""measure(): warm-up, repeats, median, and synchronising the device around the clock."""
+"""measure() and measure_alternating(): warm-up, repeats, medians, synchronising the device around
+the clock, the order of the rounds, and lining up the ranks (their real multi-process runs are in
+test_timing_ranks.py)."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
+from itertools import pairwise
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from mgpu_helpers.timing import Timing, compare, measure, measure_alternating, synchronize
+from mgpu_helpers.timing import (
+    Timing,
+    compare,
+    measure,
+    measure_alternating,
+    round_orders,
+    synchronize,
+)
 
 
 def test_measure_counts_warmup_and_repeats():
@@ -114,7 +126,7 @@ def test_measure_on_several_devices_waits_for_all_of_them(monkeypatch):
 # --- measure_alternating and compare (lesson 03's like-for-like comparison) ------------------
 
 
-def test_measure_alternating_runs_in_rotating_rounds(monkeypatch):
+def test_measure_alternating_runs_in_rounds_of_varying_order(monkeypatch):
     events: list[str] = []
     monkeypatch.setattr("mgpu_helpers.timing.synchronize", lambda device: events.append("sync"))
     fns = {name: (lambda name=name: events.append(name)) for name in ("a", "b", "c")}
@@ -122,11 +134,117 @@ def test_measure_alternating_runs_in_rotating_rounds(monkeypatch):
     assert events == (
         ["a", "b", "c", "sync"]  # warm-up of each, then wait for it
         + ["a", "sync", "b", "sync", "c", "sync"]  # round 1
-        + ["b", "sync", "c", "sync", "a", "sync"]  # round 2 starts with the next one
-        + ["c", "sync", "a", "sync", "b", "sync"]
+        + ["c", "sync", "b", "sync", "a", "sync"]  # round 2: the reverse, so b follows c too
+        + ["b", "sync", "c", "sync", "a", "sync"]  # round 3: the next row of round_orders
     )
     assert list(result) == ["a", "b", "c"]
     assert all(len(t.times) == 3 for t in result.values())
+
+
+def test_measure_alternating_keeps_round_i_in_times_i(monkeypatch):
+    """compare() pairs times[i] of two functions: both must come from round i."""
+    clock = {"now": 0.0, "round": 0, "calls": 0}
+    monkeypatch.setattr(time, "perf_counter", lambda: clock["now"])
+
+    def work(cost: float):
+        def run() -> None:  # takes cost + the round's number, in fake seconds
+            clock["now"] += cost + clock["round"]
+            clock["calls"] += 1
+            clock["round"] = clock["calls"] // 3  # 3 functions: a new round every 3 calls
+
+        return run
+
+    fns = {"x": work(0.1), "y": work(0.2), "z": work(0.4)}
+    result = measure_alternating(fns, warmup=0, repeats=6)
+    for name, cost in (("x", 0.1), ("y", 0.2), ("z", 0.4)):
+        assert result[name].times == pytest.approx([cost + r for r in range(6)])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_round_orders_puts_every_function_after_every_other(n):
+    period = n if n % 2 == 0 else 2 * n if n > 1 else 1
+    orders = round_orders(n, period)
+    assert all(sorted(order) == list(range(n)) for order in orders)  # each once per round
+    follows = Counter(pair for order in orders for pair in pairwise(order))
+    each = 1 if n % 2 == 0 else 2
+    assert follows == {(a, b): each for a in range(n) for b in range(n) if a != b}
+    first = Counter(order[0] for order in orders)  # none always first either
+    assert first == {i: period // n for i in range(n)}
+
+
+def test_round_orders_is_the_same_sequence_for_the_same_inputs():
+    assert round_orders(5, 23) == round_orders(5, 23)  # every rank computes the same
+    assert round_orders(4, 9)[:4] == round_orders(4, 4)  # more rounds only extend it
+    assert round_orders(4, 9)[4:8] == round_orders(4, 4)  # by repeating the rows
+    assert round_orders(3, 0) == []
+    assert round_orders(2, 4) == [(0, 1), (1, 0), (0, 1), (1, 0)]
+
+
+def test_round_orders_no_longer_keeps_a_fixed_successor():
+    """A rotation (ABC, BCA, CAB) keeps B right after A in 2 rounds of 3; these orders do not."""
+    after_a = Counter(order[order.index(0) + 1] for order in round_orders(3, 6) if order[-1] != 0)
+    assert after_a == {1: 2, 2: 2}
+
+
+def test_round_orders_rejects_bad_input():
+    with pytest.raises(ValueError, match="n >= 1"):
+        round_orders(0, 3)
+    with pytest.raises(ValueError, match="rounds >= 0"):
+        round_orders(3, -1)
+
+
+class _Recorder:
+    """Stands in for torch.distributed and the clock: writes down what happens, in order."""
+
+    def __init__(self, monkeypatch, backend: str) -> None:
+        self.events: list[str] = []
+        self.now = 0.0
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+        monkeypatch.setattr(dist, "barrier", self.barrier)
+        monkeypatch.setattr(time, "perf_counter", self.clock)
+        monkeypatch.setattr("mgpu_helpers.timing.synchronize", self.sync)
+
+    def barrier(self, group=None, device_ids=None) -> None:
+        self.events.append(f"barrier {group} {device_ids}")
+
+    def clock(self) -> float:
+        self.events.append("clock")
+        return self.now
+
+    def sync(self, device) -> None:
+        self.events.append(f"sync {device}")
+
+
+def test_measure_alternating_lines_up_the_ranks_outside_the_clock(monkeypatch):
+    rec = _Recorder(monkeypatch, "gloo")
+    fns = {name: (lambda name=name: rec.events.append(name)) for name in ("a", "b")}
+    measure_alternating(fns, "cpu", warmup=1, repeats=2, group="g")
+    line_up = ["sync cpu", "barrier g None", "clock"]  # this rank's work done, then every rank's
+
+    def timed(name: str) -> list[str]:
+        return [*line_up, name, "sync cpu", "clock"]
+
+    warm_up = ["a", "b", "sync cpu"]
+    assert rec.events == warm_up + timed("a") + timed("b") + timed("b") + timed("a")
+
+
+def test_measure_alternating_runs_nccls_barrier_on_the_ranks_own_gpu(monkeypatch):
+    rec = _Recorder(monkeypatch, "nccl")
+    measure_alternating({"a": lambda: rec.events.append("a")}, "cuda:3", warmup=0, repeats=1)
+    assert rec.events == [
+        "sync cuda:3",  # after the (empty) warm-up
+        "sync cuda:3",  # this GPU's queued work first,
+        "barrier None [3]",  # then the barrier, on this rank's GPU (no guess)
+        f"sync {torch.device('cuda', 3)}",  # which the host waits for before the clock
+        "clock", "a", "sync cuda:3", "clock",
+    ]  # fmt: skip
+
+
+def test_measure_alternating_can_time_on_one_rank_alone(monkeypatch):
+    rec = _Recorder(monkeypatch, "gloo")
+    measure_alternating({"a": lambda: None}, warmup=0, repeats=2, sync_ranks=False)
+    assert not any(e.startswith("barrier") for e in rec.events)
 
 
 def test_measure_alternating_shares_a_slow_spell_between_both():
