@@ -1,4 +1,4 @@
-"""Lesson 06, section 6: the data set with per-sample CPU work, and the lesson's loader code.
+"""Lesson 02, section 9: the data set with per-sample CPU work, and the lesson's loader code.
 
 ``EncodedImages`` (the package) must survive DataLoader workers started with spawn, as on
 macOS and Windows; the lesson's ``data_loader`` and ``data_epoch`` are read from its notebook.
@@ -6,30 +6,34 @@ macOS and Windows; the lesson's ``data_loader`` and ``data_epoch`` are read from
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
 import pickle
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from mgpu_helpers.config import LessonConfig
 from mgpu_helpers.data import EncodedImages
 from mgpu_helpers.lesson_code import load_lesson_code
-from mgpu_helpers.timing import synchronize
 
-LESSON = load_lesson_code(
-    "06",
-    ["data_loader", "data_epoch"],
-    {
-        "BATCH_SIZE": 8,
+
+def lesson_code(device: torch.device) -> SimpleNamespace:
+    """Lesson 02's data_loader and data_epoch, with batches of 8 going to ``device``."""
+    namespace = {
         "DataLoader": DataLoader,
-        "SEED": 0,
-        "data_device": torch.device("cpu"),
-        "synchronize": synchronize,
+        "cfg": LessonConfig(batch_size=8, seed=0),
+        "device": device,
         "time": time,
         "torch": torch,
-    },
-)
+    }
+    return load_lesson_code("02", ["data_loader", "data_epoch"], namespace)
+
+
+LESSON = lesson_code(torch.device("cpu"))
 
 
 def test_encoded_images_decode_to_normalised_images_with_fixed_labels() -> None:
@@ -80,9 +84,23 @@ def test_the_lessons_loader_delivers_every_sample_once_per_epoch_with_workers() 
 def test_data_epoch_trains_on_every_batch_and_clocks_the_wait() -> None:
     ds = EncodedImages(20, blur_passes=1)
     seen = []
-    seconds, waited = LESSON.data_epoch(LESSON.data_loader(ds, 0), lambda x, y: seen.append(len(x)))
+    start = time.perf_counter()
+    waited = LESSON.data_epoch(LESSON.data_loader(ds, 0), lambda x, y: seen.append(len(x)))
     assert seen == [8, 8, 4]
-    assert 0 < waited <= seconds
+    assert 0 < waited <= time.perf_counter() - start
+
+
+def test_workers_stop_at_the_end_of_each_epoch_unless_they_persist() -> None:
+    before = set(multiprocessing.active_children())
+    ds = EncodedImages(20, blur_passes=1)
+    assert LESSON.data_epoch(LESSON.data_loader(ds, 1, persistent=False)) > 0  # no step: reads
+    assert set(multiprocessing.active_children()) - before == set()
+    loader = LESSON.data_loader(ds, 1)
+    LESSON.data_epoch(loader)
+    assert len(set(multiprocessing.active_children()) - before) == 1, "the worker persists"
+    del loader
+    gc.collect()
+    assert set(multiprocessing.active_children()) - before == set(), "dropped with its loader"
 
 
 def test_the_blur_averages_neighbours_and_keeps_a_flat_image() -> None:
@@ -100,16 +118,7 @@ def test_the_blur_averages_neighbours_and_keeps_a_flat_image() -> None:
 @pytest.mark.gpu
 def test_on_a_gpu_the_lessons_loader_pins_and_the_step_gets_device_batches() -> None:
     dev = torch.device("cuda:0")
-    namespace = {
-        "BATCH_SIZE": 8,
-        "DataLoader": DataLoader,
-        "SEED": 0,
-        "data_device": dev,
-        "synchronize": synchronize,
-        "time": time,
-        "torch": torch,
-    }
-    gpu = load_lesson_code("06", ["data_loader", "data_epoch"], namespace)
+    gpu = lesson_code(dev)
     loader = gpu.data_loader(EncodedImages(20, blur_passes=1), 1)
     assert loader.pin_memory
     x, _ = next(iter(loader))
