@@ -1,6 +1,6 @@
-"""Timing a collective inside a rank, over message sizes (lesson 06; 08 and 09 reuse it).
+"""Timing a collective inside a rank, over message sizes (lesson 06b; 08 and 09 reuse it).
 
-Lesson 06 measures how long an all-reduce takes for messages from 1 KiB to tens of MiB;
+Lesson 06b measures how long an all-reduce takes for messages from 1 KiB to tens of MiB;
 lessons 08 and 09 time all-gather and reduce-scatter the same way. :func:`time_collective` is
 the loop they share, called by every rank of a group at once. What it adds to
 :func:`~mgpu_helpers.timing.measure`:
@@ -13,7 +13,10 @@ the loop they share, called by every rank of a group at once. What it adds to
   slowest rank's (every rank returns the same numbers).
 
 :func:`elements` turns a size in bytes into a number of elements, refusing sizes that are not a
-whole number of them.
+whole number of them. Lesson 06b also uses :func:`ring_allreduce_steps` (what each rank holds
+after each step of a ring all-reduce, for its drawing), :func:`copy_bandwidth` (its reference
+line: how fast one process copies memory) and :func:`fit_ring_model` (the least-squares fit of
+the ring cost model to a sweep).
 """
 
 from __future__ import annotations
@@ -21,13 +24,22 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .timing import Timing, synchronize
+from .timing import Timing, measure, synchronize
 
-__all__ = ["elements", "size_label", "time_collective"]
+__all__ = [
+    "RingStep",
+    "copy_bandwidth",
+    "elements",
+    "fit_ring_model",
+    "ring_allreduce_steps",
+    "size_label",
+    "time_collective",
+]
 
 
 def elements(nbytes: int, dtype: torch.dtype = torch.float32) -> int:
@@ -78,7 +90,7 @@ def time_collective(
     max_iterations: int = 1000,
     group: dist.ProcessGroup | None = None,
 ) -> dict[int, Timing]:
-    """Seconds per call of ``op(tensor)`` for a tensor of each size in bytes (lesson 06).
+    """Seconds per call of ``op(tensor)`` for a tensor of each size in bytes (lesson 06b).
 
     Call it on every rank of ``group`` (default: the whole world) with the same arguments.
     For each size: a zero tensor of that many bytes on ``device``, ``warmup`` calls, one timed
@@ -122,3 +134,93 @@ def time_collective(
             times.append((time.perf_counter() - start) / calls)
         results[nbytes] = Timing(tuple(_slowest(times, device, group)))
     return results
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """One step of a ring all-reduce over n ranks, each rank's message cut into n chunks."""
+
+    phase: str  # "start", "reduce-scatter" or "all-gather"
+    step: int  # 1 .. n-1 within its phase (0 for "start")
+    # holds[r][c]: the ranks whose chunk c is summed into rank r's copy of chunk c
+    holds: tuple[tuple[frozenset[int], ...], ...]
+    # received[r]: the chunk rank r received from rank r-1 in this step (None at the start)
+    received: tuple[int | None, ...]
+
+
+def ring_allreduce_steps(n: int) -> list[RingStep]:
+    """The 2(n-1) steps of a ring all-reduce, and what every rank holds after each (lesson 06b).
+
+    Reduce-scatter: in step s (0-based) rank r sends chunk (r - s) mod n to rank r + 1, which
+    adds it to its own; after n - 1 steps rank r holds the full sum of chunk (r + 1) mod n.
+    All-gather: in step s rank r sends chunk (r + 1 - s) mod n, full already, and rank r + 1
+    keeps it. Every rank sends one chunk per step: 2(n-1) chunks of S/n bytes in all.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise ValueError(f"n={n!r}: a ring needs a whole number of ranks >= 2")
+    holds = [[frozenset([r]) for _ in range(n)] for r in range(n)]
+    steps = [RingStep("start", 0, tuple(map(tuple, holds)), (None,) * n)]
+    for phase in ("reduce-scatter", "all-gather"):
+        for s in range(n - 1):
+            before = [list(row) for row in holds]
+            received: list[int | None] = [None] * n
+            for r in range(n):
+                chunk = (r - s) % n if phase == "reduce-scatter" else (r + 1 - s) % n
+                to = (r + 1) % n
+                if phase == "reduce-scatter":
+                    assert not before[to][chunk] & before[r][chunk], "a rank summed twice"
+                    holds[to][chunk] = before[to][chunk] | before[r][chunk]
+                else:
+                    holds[to][chunk] = before[r][chunk]
+                received[to] = chunk
+            steps.append(RingStep(phase, s + 1, tuple(map(tuple, holds)), tuple(received)))
+    return steps
+
+
+def copy_bandwidth(
+    nbytes: int, device: torch.device | str, *, copies: int = 4, repeats: int = 5
+) -> tuple[float, Timing]:
+    """Bytes per second this process copies between two buffers of ``nbytes`` (lesson 06b).
+
+    ``dst.copy_(src)`` ``copies`` times per timed call, synchronised; returns (bytes copied per
+    second from the median call, the Timing). It is a reference line for an all-reduce on one
+    machine, measured with this process's own threads: not the machine's peak memory
+    bandwidth, which several processes (or all the cores) copying at once may exceed. A copy
+    reads and writes each byte, so the memory itself moves twice the number returned.
+    """
+    if copies < 1:
+        raise ValueError(f"copies={copies!r}: copy at least once per timed call")
+    src = torch.ones(elements(nbytes), device=device)
+    dst = torch.empty_like(src)
+    timing = measure(lambda: [dst.copy_(src) for _ in range(copies)], device, repeats=repeats)
+    return copies * nbytes / timing.median, timing
+
+
+def fit_ring_model(sizes: Sequence[int], seconds: Sequence[float], n: int) -> tuple[float, float]:
+    """(alpha, beta) fitting t(S) = 2(n-1)·alpha + 2(n-1)/n · S/beta to a sweep (lesson 06b).
+
+    Least squares on relative errors (each residual divided by its measured time), so a 1 KiB
+    message weighs as much as a 64 MiB one; plain least squares in seconds would fit the largest
+    messages only. A negative latency (noise at small sizes) is set to 0 and beta refitted.
+    RuntimeError when no positive bandwidth fits: the times do not grow with size.
+    """
+    if n < 2 or len(sizes) != len(seconds) or len(set(sizes)) < 2:
+        raise ValueError(
+            f"need n >= 2 ranks and times for 2 or more sizes; got n={n}, "
+            f"{len(set(sizes))} sizes and {len(seconds)} times"
+        )
+    t = torch.tensor(list(seconds), dtype=torch.float64)
+    x = torch.tensor([[2.0 * (n - 1), 2 * (n - 1) / n * s] for s in sizes], dtype=torch.float64)
+    w = 1 / t  # residual / t: relative errors
+    solution = torch.linalg.lstsq(x * w[:, None], (t * w)[:, None]).solution.flatten()
+    alpha, inv_beta = solution.tolist()
+    if alpha < 0:  # a latency cannot be negative: fit the bandwidth term alone
+        alpha = 0.0
+        xs = x[:, 1] * w
+        inv_beta = float((xs @ (t * w)) / (xs @ xs))
+    if not inv_beta > 0:
+        raise RuntimeError(
+            "the fit found no positive bandwidth: the times do not grow with size; measure "
+            "again on a quieter machine, or sweep larger messages"
+        )
+    return alpha, 1 / inv_beta

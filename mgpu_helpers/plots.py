@@ -351,7 +351,7 @@ def plot_micro_batch_sweep(
     return fig
 
 
-# lesson 06, section 2
+# lesson 06b, section 1
 from .comm import size_label  # noqa: E402  (added at the end: this section's imports)
 
 __all__ += ["plot_bandwidth", "plot_cost_model"]
@@ -372,13 +372,15 @@ def plot_bandwidth(
     bandwidths: Mapping[str, Sequence[float]],
     *,
     ceiling: float | None = None,
-    ceiling_label: str = "memory copy (ceiling)",
+    ceiling_label: str = "memory copy (reference)",
     title: str = "all-reduce bandwidth",
 ) -> Figure:
-    """Bandwidths (bytes/s, drawn in GB/s) against message size, with a ceiling line (lesson 06).
+    """Bandwidths (bytes/s, drawn in GB/s) against message size (lesson 06b).
 
     ``bandwidths``: one curve per name (e.g. busbw and algbw), one value per size. A curve
     equal to an earlier one (busbw and algbw for 2 ranks) is drawn once, labelled "busbw = algbw".
+    ``ceiling``: a dashed horizontal line in bytes/s; lesson 06b draws one rank's memory copy
+    rate there, a reference line rather than a limit the curves could not cross.
     """
     if not sizes:
         raise ValueError("need at least one message size")
@@ -415,7 +417,7 @@ def plot_cost_model(
     model_label: str = "model",
     title: str = "all-reduce time",
 ) -> Figure:
-    """Measured times (points) and a model's (line) against message size, log-log (lesson 06).
+    """Measured times (points) and a model's (line) against message size, log-log (lesson 06b).
 
     ``spread``: each size's (fastest, slowest) repeat, drawn as a whisker around its point.
     """
@@ -514,4 +516,141 @@ def plot_overlap(
     both = overlap_seconds(compute, comm) * 1e3
     ax.set_title(title or f"all-reduce in flight during backward: {both:.1f} ms")
     fig.tight_layout()
+    return fig
+
+
+# lesson 06b: a ring all-reduce drawn, and the scaling curves
+from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402  (this section's imports)
+
+from .comm import ring_allreduce_steps  # noqa: E402
+from .timing import Comparison  # noqa: E402
+
+__all__ += ["plot_ring_allreduce", "plot_scaling"]
+
+
+def plot_ring_allreduce(n: int) -> Figure:
+    """What each of n ranks holds after each step of a ring all-reduce (lesson 06b).
+
+    One row per step (the start, n-1 reduce-scatter steps, n-1 all-gather steps), one group of
+    n chunks per rank. A chunk's label lists the ranks summed into it ("all" once complete; a
+    count beyond 4 ranks), its shade darkens as the sum fills, and a red edge marks the chunk
+    the rank just received from its left neighbour.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= 8:
+        raise ValueError(f"n={n!r}: draw a ring of 2 to 8 ranks (more would not be readable)")
+    steps = ring_allreduce_steps(n)
+    cmap = matplotlib.colormaps["Blues"]
+    fig = Figure(figsize=(max(6.5, 1.6 + 0.55 * n * (n + 1)), 1.3 + 0.5 * len(steps)))
+    ax = fig.subplots()
+    for row, step in enumerate(steps):
+        y = -row
+        name = "start" if step.phase == "start" else f"{step.phase} {step.step}"
+        ax.text(-0.6, y, name, ha="right", va="center", size="small")
+        for r in range(n):
+            for c in range(n):
+                summed = step.holds[r][c]
+                full = len(summed) == n
+                new = step.received[r] == c
+                x = r * (n + 1) + c
+                ax.add_patch(
+                    Rectangle(
+                        (x, y - 0.4),
+                        0.92,
+                        0.8,
+                        facecolor=cmap(0.12 + 0.68 * len(summed) / n),
+                        edgecolor="C3" if new else "grey",
+                        linewidth=2.2 if new else 0.5,
+                    )
+                )
+                text = (
+                    "all"
+                    if full
+                    else ("+".join(map(str, sorted(summed))) if n <= 4 else f"{len(summed)}")
+                )
+                ax.text(
+                    x + 0.46,
+                    y,
+                    text,
+                    **_CENTRE,
+                    size=6 if n > 3 else 7,
+                    color="white" if full else "black",
+                )
+    for r in range(n):
+        ax.text(r * (n + 1) + n / 2, 0.75, f"rank {r}", ha="center", va="bottom", size="small")
+    # the ring: rank r sends to rank r + 1, and the last rank to rank 0 (the arc above)
+    ring = {"arrowstyle": "-|>", "color": "C3", "linewidth": 1.2, "mutation_scale": 10}
+    for r in range(n - 1):
+        start, end = (r * (n + 1) + n - 0.05, 1.0), ((r + 1) * (n + 1) - 0.03, 1.0)
+        ax.add_patch(FancyArrowPatch(start, end, **ring))
+    wrap = ((n - 1) * (n + 1) + n / 2 + 0.9, 1.35), (n / 2 - 0.9, 1.35)
+    ax.add_patch(FancyArrowPatch(*wrap, connectionstyle=f"arc3,rad={min(0.12, 0.5 / n)}", **ring))
+    ax.set_xlim(-4.2, n * (n + 1))
+    ax.set_ylim(-len(steps) + 0.4, 1.6 + 0.25 * n)
+    ax.set_axis_off()
+    ax.legend(
+        handles=[
+            Patch(facecolor="white", edgecolor="C3", linewidth=2, label="received this step"),
+            Patch(facecolor=cmap(0.8), label="all: summed over every rank"),
+        ],
+        loc="upper center",
+        bbox_to_anchor=(0.5, 0.0),
+        ncols=2,
+        fontsize="small",
+        frameon=False,
+    )
+    ax.set_title(
+        f"ring all-reduce over {n} ranks: the message cut into {n} chunks; each step, every rank "
+        f"sends one chunk to its right\n(reduce-scatter adds it, all-gather copies it): "
+        f"{2 * (n - 1)} chunks of S/{n} sent per rank",
+        size="small",
+    )
+    fig.tight_layout()
+    return fig
+
+
+def plot_scaling(
+    ns: Sequence[int],
+    speedups: Mapping[str, Sequence[Comparison]],
+    predicted: Mapping[str, Sequence[tuple[float, float]]],
+    title: str = "",
+) -> Figure:
+    """Speed-up and efficiency over world sizes, against linear scaling (lesson 06b).
+
+    ``speedups[kind][i]``: the speed-up of ``ns[i]`` ranks over one, round by round (whiskers:
+    the slowest to the fastest round). ``predicted[kind][i]``: the (no overlap, perfect
+    overlap) efficiencies a model predicts, drawn as a band.
+    """
+    for kind, values in (*speedups.items(), *predicted.items()):
+        if len(values) != len(ns):
+            raise ValueError(f"{kind!r}: {len(values)} values for {len(ns)} world sizes; need one")
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    ax_s, ax_e = fig.subplots(1, 2)
+    ax_s.plot(ns, ns, "k--", label="linear (ideal)")
+    ax_e.axhline(1.0, color="black", linestyle="--", label="linear (ideal)")
+    for i, (kind, comparisons) in enumerate(speedups.items()):
+        mid = [c.median for c in comparisons]
+        whiskers = [
+            [m - c.low for m, c in zip(mid, comparisons, strict=True)],
+            [c.high - m for m, c in zip(mid, comparisons, strict=True)],
+        ]
+        look = {"marker": "o", "capsize": 4, "color": f"C{i}", "label": f"{kind}, measured"}
+        ax_s.errorbar(ns, mid, yerr=whiskers, **look)
+        ax_e.errorbar(
+            ns,
+            [m / n for m, n in zip(mid, ns, strict=True)],
+            yerr=[[w / n for w, n in zip(side, ns, strict=True)] for side in whiskers],
+            **look,
+        )
+        if kind in predicted:
+            low, high = zip(*predicted[kind], strict=True)
+            ax_e.fill_between(ns, low, high, color=f"C{i}", alpha=0.15, label=f"{kind}, predicted")
+    ax_s.set(xlabel="ranks", ylabel="speed-up over 1 rank", title="speed-up")
+    ax_e.set(xlabel="ranks", ylabel="efficiency (speed-up / ranks)", title="efficiency")
+    ax_e.set_ylim(0, max(1.1, ax_e.get_ylim()[1]))
+    for ax in (ax_s, ax_e):
+        ax.set_xticks(list(ns))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    if title:
+        fig.suptitle(title)
     return fig

@@ -1,9 +1,10 @@
-"""Lesson 06, section 2: the collective-timing harness and the lesson's bandwidth arithmetic.
+"""Lesson 06b, section 1: the collective-timing harness, the ring drawn, and the cost model.
 
 The harness (mgpu_helpers.comm) runs in a one-process gloo group in this process, with a
-counting collective and a recording synchronize, and for real over 2 and 3 ranks. The formulas
-(algbw, busbw, the ring model and its fit, the bucket sizes, the prediction, exercise 2's
-solution) are the lesson's own, read from its notebook. No speed is asserted.
+counting collective and a recording synchronize, and for real over 2 and 3 ranks. The ring's
+steps, the copy reference and the fit are the package's; the formulas (algbw, busbw, the ring
+model, the prediction, exercise 1's solution) are the lesson's own, read from its notebook. No
+speed is asserted.
 """
 
 from __future__ import annotations
@@ -16,29 +17,34 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from matplotlib.patches import FancyArrowPatch, Rectangle
 
 from mgpu_helpers import comm
-from mgpu_helpers.comm import elements, size_label, time_collective
+from mgpu_helpers.comm import (
+    copy_bandwidth,
+    elements,
+    fit_ring_model,
+    ring_allreduce_steps,
+    size_label,
+    time_collective,
+)
 from mgpu_helpers.launch import launch
 from mgpu_helpers.lesson_code import load_lesson_code
-from mgpu_helpers.plots import plot_bandwidth, plot_cost_model
+from mgpu_helpers.plots import plot_bandwidth, plot_cost_model, plot_ring_allreduce
 from mgpu_helpers.timing import Timing
 
 ROOT = Path(__file__).resolve().parents[1]
 ALPHA, BETA = 80e-6, 3e9  # the fit must find these again (80 µs, 3 GB/s)
 lesson = load_lesson_code(
-    "06",
+    "06b",
     (
         "algbw",
         "busbw",
         "ring_allreduce_seconds",
-        "fit_ring_model",
-        "make_buckets",
-        "comm_bucket_sizes",
         "predict_allreduce_seconds",
         "two_point_fit",
     ),
-    {"torch": torch, "elements": elements, "ring_alpha": ALPHA, "ring_beta": BETA},
+    {"torch": torch, "ring_alpha": ALPHA, "ring_beta": BETA},
     folder=ROOT / "notebooks",
 )
 
@@ -153,10 +159,72 @@ def sweep_worker(env, sizes: list[int], slow_rank: int) -> dict:
 def test_time_collective_reports_the_slowest_rank(world_size: int) -> None:
     sizes = [1024, 65536]
     results = launch(sweep_worker, world_size, sizes, world_size - 1, device="cpu", echo=False)
-    assert all(r == results[0] for r in results), "every rank returns the same times"
+    assert all(r == results[0] for r in results), "every rank returns the slowest rank's times"
     for s in sizes:
         assert len(results[0][s].times) == 2
         assert min(results[0][s].times) >= 0.02, "the slow rank's time, not the fast ranks'"
+
+
+# --- the ring drawn: what each rank holds after each step ---------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_ring_allreduce_steps_end_with_every_chunk_summed_everywhere(n: int) -> None:
+    steps = ring_allreduce_steps(n)
+    assert [s.phase for s in steps] == ["start"] + ["reduce-scatter"] * (n - 1) + ["all-gather"] * (
+        n - 1
+    )
+    start = steps[0]
+    assert start.holds == tuple(tuple(frozenset([r]) for _ in range(n)) for r in range(n))
+    assert start.received == (None,) * n
+    everyone = frozenset(range(n))
+    for step in steps[1:]:
+        assert None not in step.received, "every rank receives one chunk in every step"
+    after_reduce_scatter = steps[n - 1]
+    for r in range(n):  # rank r holds the full sum of chunk r + 1, and no other yet
+        full = [c for c in range(n) if after_reduce_scatter.holds[r][c] == everyone]
+        assert full == [(r + 1) % n], (r, after_reduce_scatter.holds[r])
+    assert all(chunk == everyone for row in steps[-1].holds for chunk in row)
+
+
+def test_ring_allreduce_steps_send_2_n_minus_1_chunks_per_rank() -> None:
+    n = 5
+    received = [step.received for step in ring_allreduce_steps(n)[1:]]
+    assert len(received) == 2 * (n - 1)  # one chunk of S/n per step: 2(n-1)/n · S in all
+    for step, got in enumerate(received[: n - 1]):  # reduce-scatter: from rank r - 1
+        assert got == tuple((r - 1 - step) % n for r in range(n))
+
+
+@pytest.mark.parametrize("n", [1, 0, -2, 2.0, True, "4"])
+def test_ring_allreduce_steps_refuse_what_is_not_a_ring(n: object) -> None:
+    with pytest.raises(ValueError, match="whole number of ranks >= 2"):
+        ring_allreduce_steps(n)  # type: ignore[arg-type]
+
+
+# --- the copy reference line -------------------------------------------------------------------
+
+
+def test_copy_bandwidth_counts_the_bytes_of_every_copy(monkeypatch) -> None:
+    seen = {}
+
+    def fake_measure(fn, device, *, repeats):  # 0.5 s per timed call, whatever ran
+        fn()
+        seen["device"], seen["repeats"] = device, repeats
+        return Timing((0.5,) * repeats)
+
+    monkeypatch.setattr(comm, "measure", fake_measure)
+    rate, timing = copy_bandwidth(2**20, "cpu", copies=4, repeats=3)
+    assert rate == 4 * 2**20 / 0.5 and timing.times == (0.5, 0.5, 0.5)
+    assert seen == {"device": "cpu", "repeats": 3}
+
+
+def test_copy_bandwidth_for_real_and_its_refusals() -> None:
+    rate, timing = copy_bandwidth(2**20, "cpu", copies=2, repeats=2)
+    assert rate > 0 and len(timing.times) == 2
+    with pytest.raises(ValueError, match="copy at least once"):
+        copy_bandwidth(2**20, "cpu", copies=0)
+    with pytest.raises(ValueError, match="not a whole number"):
+        copy_bandwidth(1022, "cpu")
 
 
 # --- the lesson's arithmetic --------------------------------------------------------------------
@@ -190,11 +258,11 @@ def test_the_ring_model_on_numbers_worked_by_hand() -> None:
 def test_the_fit_recovers_known_alpha_and_beta(n: int) -> None:
     sizes = [2**k for k in range(10, 27)]
     exact = [lesson.ring_allreduce_seconds(s, n, ALPHA, BETA) for s in sizes]
-    alpha, beta = lesson.fit_ring_model(sizes, exact, n)
+    alpha, beta = fit_ring_model(sizes, exact, n)
     assert math.isclose(alpha, ALPHA, rel_tol=1e-6) and math.isclose(beta, BETA, rel_tol=1e-6)
     # +-10% noise in a fixed pattern: both ends still come back to within 10%
     noisy = [t * (1.1 if i % 2 else 0.9) for i, t in enumerate(exact)]
-    alpha, beta = lesson.fit_ring_model(sizes, noisy, n)
+    alpha, beta = fit_ring_model(sizes, noisy, n)
     assert abs(alpha / ALPHA - 1) < 0.1 and abs(beta / BETA - 1) < 0.1, (alpha, beta)
 
 
@@ -204,34 +272,24 @@ def test_the_fit_weighs_small_and_large_messages_alike() -> None:
     sizes = [2**k for k in range(10, 27)]
     times = [lesson.ring_allreduce_seconds(s, 2, ALPHA, BETA) for s in sizes]
     times[-1] *= 1.05  # 5% noise on the largest message is 8 times the whole latency term
-    alpha, _ = lesson.fit_ring_model(sizes, times, 2)
+    alpha, _ = fit_ring_model(sizes, times, 2)
     assert abs(alpha / ALPHA - 1) < 0.1, alpha
 
 
 def test_the_fit_never_returns_a_negative_latency() -> None:
     sizes = [2**k for k in range(10, 20)]
     times = [s / BETA - 1e-7 for s in sizes]  # a line through a negative intercept
-    alpha, beta = lesson.fit_ring_model(sizes, times, 2)
+    alpha, beta = fit_ring_model(sizes, times, 2)
     assert alpha == 0.0 and math.isclose(beta, BETA, rel_tol=0.1)
 
 
 def test_the_fit_refuses_what_cannot_be_fitted() -> None:
     with pytest.raises(ValueError, match="n >= 2"):
-        lesson.fit_ring_model([1024, 2048], [1e-4, 2e-4], 1)
+        fit_ring_model([1024, 2048], [1e-4, 2e-4], 1)
     with pytest.raises(ValueError, match="2 or more sizes"):
-        lesson.fit_ring_model([1024, 1024], [1e-4, 2e-4], 2)
+        fit_ring_model([1024, 1024], [1e-4, 2e-4], 2)
     with pytest.raises(RuntimeError, match="no positive bandwidth"):
-        lesson.fit_ring_model([1024, 2**20, 2**24], [3e-3, 2e-3, 1e-3], 2)
-
-
-def test_bucket_sizes_are_section_1s_whole_parameter_buckets() -> None:
-    mib = 2**20
-    params = [torch.zeros(n) for n in (mib // 4, 64, mib // 4, 64)]  # 1 MiB, 256 B, 1 MiB, 256 B
-    assert lesson.comm_bucket_sizes(params, 1) == [mib + 256, mib + 256]  # closes at >= 1 MiB
-    assert lesson.comm_bucket_sizes(params, 25) == [2 * mib + 512]  # all in one
-    assert lesson.comm_bucket_sizes(params, 0.0001) == [256, mib, 256, mib]  # one per parameter
-    with pytest.raises(ValueError, match="more than 0 MB"):
-        lesson.comm_bucket_sizes(params, 0)
+        fit_ring_model([1024, 2**20, 2**24], [3e-3, 2e-3, 1e-3], 2)
 
 
 def test_predict_uses_the_fitted_model_for_any_world_size() -> None:
@@ -244,7 +302,7 @@ def test_predict_uses_the_fitted_model_for_any_world_size() -> None:
         lesson.predict_allreduce_seconds(s, 0)
 
 
-def test_exercise_2_solution_goes_through_both_points() -> None:
+def test_exercise_1_solution_goes_through_both_points() -> None:
     for n in (2, 4, 8):
         points = [(s, lesson.ring_allreduce_seconds(s, n, ALPHA, BETA)) for s in (4096, 2**24)]
         alpha, beta = lesson.two_point_fit(*points, n)
@@ -260,7 +318,7 @@ def test_plot_bandwidth_draws_equal_curves_once() -> None:
     sizes = [1024, 2048, 4096]
     fig = plot_bandwidth(sizes, {"busbw": [1e6, 2e6, 3e6], "algbw": [1e6, 2e6, 3e6]}, ceiling=1e9)
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert labels == ["busbw = algbw", "memory copy (ceiling)"]  # 2 ranks: one curve
+    assert labels == ["busbw = algbw", "memory copy (reference)"]  # 2 ranks: one curve
     fig = plot_bandwidth(sizes, {"busbw": [1.5, 3.0, 4.5], "algbw": [1.0, 2.0, 3.0]})
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["busbw", "algbw"]
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["1 KiB", "2 KiB", "4 KiB"]
@@ -275,6 +333,34 @@ def test_plot_cost_model() -> None:
         plot_cost_model([1024, 2048], [1e-3], [1e-3, 2e-3])
     with pytest.raises(ValueError, match="per size"):
         plot_cost_model([1024], [1e-3], [1e-3], spread=[])
+
+
+@pytest.mark.parametrize("n", [2, 4, 6])
+def test_plot_ring_allreduce_draws_every_chunk_of_every_step(n: int) -> None:
+    fig = plot_ring_allreduce(n)
+    ax = fig.axes[0]
+    boxes = [p for p in ax.patches if isinstance(p, Rectangle)]
+    arrows = [p for p in ax.patches if isinstance(p, FancyArrowPatch)]
+    steps = 2 * (n - 1) + 1  # the start, then every step
+    assert len(boxes) == n * n * steps  # n chunks per rank, every row
+    assert len(arrows) == n  # rank r to r + 1, and the last back to rank 0
+    received = [b for b in boxes if b.get_linewidth() > 1]  # the red edges
+    assert len(received) == n * (steps - 1), "one chunk received per rank per step"
+    texts = [t.get_text() for t in ax.texts]
+    assert texts.count("all") == sum(
+        chunk == frozenset(range(n))
+        for s in ring_allreduce_steps(n)
+        for row in s.holds
+        for chunk in row
+    )
+    assert {f"rank {r}" for r in range(n)} <= set(texts)
+    assert f"{2 * (n - 1)} chunks of S/{n}" in ax.get_title()
+
+
+@pytest.mark.parametrize("n", [1, 9, 2.0, True])
+def test_plot_ring_allreduce_refuses_rings_it_cannot_draw(n: object) -> None:
+    with pytest.raises(ValueError, match="2 to 8 ranks"):
+        plot_ring_allreduce(n)  # type: ignore[arg-type]
 
 
 # --- on a GPU: the clock waits for the device -----------------------------------------------------

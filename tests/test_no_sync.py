@@ -1,29 +1,32 @@
-"""Lesson 06, section 4: gradient accumulation with ``no_sync``, with real processes over gloo.
+"""Lesson 06b, sections 3 and 4: ``no_sync`` and communication hooks, with real gloo processes.
 
-The lesson's own ``counting_allreduce_hook``, ``split_micro_batches`` and
-``accumulate_gradients``, read from its notebook, run on 2 and 3 ranks and are checked against
-one process computing the whole batch.
+The lesson's own ``counting_allreduce_hook`` and ``accumulate_gradients``, and the solutions of
+its exercises 2 (``accumulate_weighted``) and 3 (``bf16_hook``), read from its notebook, run on
+2 and 3 ranks and are checked against one process computing the whole batch, or against
+``bf16_compress_hook``.
 """
 
 from __future__ import annotations
 
-import contextlib
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mgpu_helpers.devices import full_float32
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.launch import launch
-from mgpu_helpers.lesson_code import load_lesson_code
+from mgpu_helpers.lesson_code import lesson_imports, load_lesson_code
 
-NAMES = ["counting_allreduce_hook", "split_micro_batches", "accumulate_gradients"]
+ROOT = Path(__file__).resolve().parents[1]
+NAMES = ["counting_allreduce_hook", "accumulate_gradients", "accumulate_weighted", "bf16_hook"]
 LESSON = load_lesson_code(
-    "06", NAMES, {"contextlib": contextlib, "dist": dist, "F": F, "nn": nn, "torch": torch}
+    "06b", NAMES, lesson_imports("06b", ROOT / "notebooks"), folder=ROOT / "notebooks"
 )
 K, PER_MICRO, FEATURES = 3, 4, 16
 
@@ -51,7 +54,7 @@ def accumulation_worker(env: DistEnv) -> dict:
     x, y = global_batch(env.world_size)
     per_rank = K * PER_MICRO
     mine = slice(env.rank * per_rank, (env.rank + 1) * per_rank)
-    micro = LESSON.split_micro_batches(x[mine], y[mine], K)
+    micro = list(zip(x[mine].chunk(K), y[mine].chunk(K), strict=True))
     model.zero_grad(set_to_none=True)
     # a first step: DDP then settles its buckets
     F.cross_entropy(model(x[mine].to(env.device)), y[mine].to(env.device)).backward()
@@ -102,20 +105,6 @@ def test_no_sync_accumulation_on_gpus() -> None:
     check_against_one_process(results, world_size)
 
 
-@pytest.mark.parametrize("steps", [0, -1, 1.5, True])
-def test_accumulation_steps_must_be_a_whole_number_of_at_least_one(steps: object) -> None:
-    x, y = torch.randn(8, FEATURES), torch.zeros(8, dtype=torch.long)
-    with pytest.raises(ValueError, match="whole number >= 1"):
-        LESSON.split_micro_batches(x, y, steps)
-
-
-def test_a_batch_that_does_not_split_evenly_is_refused() -> None:
-    x, y = torch.randn(10, FEATURES), torch.zeros(10, dtype=torch.long)
-    with pytest.raises(ValueError, match="multiple of accum_steps"):
-        LESSON.split_micro_batches(x, y, 4)
-    assert [len(m[0]) for m in LESSON.split_micro_batches(x, y, 5)] == [2] * 5
-
-
 def test_no_micro_batches_is_refused() -> None:
     with pytest.raises(ValueError, match="at least one"):
         LESSON.accumulate_gradients(small_model(), [], use_no_sync=False)
@@ -124,7 +113,8 @@ def test_no_micro_batches_is_refused() -> None:
 def test_without_ddp_accumulation_equals_the_large_batch() -> None:
     x, y = global_batch(1)
     model = small_model()
-    LESSON.accumulate_gradients(model, LESSON.split_micro_batches(x, y, K), use_no_sync=False)
+    micro = list(zip(x.chunk(K), y.chunk(K), strict=True))
+    LESSON.accumulate_gradients(model, micro, use_no_sync=False)
     accumulated = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     F.cross_entropy(model(x), y).backward()
@@ -137,3 +127,69 @@ def test_the_hook_keeps_the_annotations_ddp_checks() -> None:
     hints = LESSON.counting_allreduce_hook.__annotations__
     assert hints["bucket"] is dist.GradBucket
     assert hints["return"] == torch.futures.Future[torch.Tensor]
+
+
+# --- the exercises' solutions ------------------------------------------------------------------
+
+SIZES = [5, 1, 3, 3]  # unequal micro-batches, 12 samples per rank
+
+
+def weighted_worker(env: DistEnv) -> dict:
+    full_float32()
+    model = DDP(small_model(), bucket_cap_mb=0.01)  # several buckets
+    counter = {"all_reduces": 0, "bytes": 0}
+    model.register_comm_hook(counter, LESSON.counting_allreduce_hook)
+    x, y = global_batch(env.world_size)
+    mine = slice(env.rank * K * PER_MICRO, (env.rank + 1) * K * PER_MICRO)
+    for _ in range(2):  # the large batch, the reference; DDP settles its buckets after the first
+        model.zero_grad(set_to_none=True)
+        counter["all_reduces"] = 0
+        F.cross_entropy(model(x[mine]), y[mine]).backward()
+    large = [p.grad.clone() for p in model.parameters()]
+    buckets = counter["all_reduces"]
+    model.zero_grad(set_to_none=True)
+    counter["all_reduces"] = 0
+    micro = list(zip(x[mine].split(SIZES), y[mine].split(SIZES), strict=True))
+    LESSON.accumulate_weighted(model, micro)
+    return {
+        "large": large,
+        "weighted": [p.grad.clone() for p in model.parameters()],
+        "buckets": buckets,
+        "all_reduces": counter["all_reduces"],
+    }
+
+
+def test_exercise_2_solution_equals_the_large_batch_over_unequal_micro_batches() -> None:
+    assert sum(SIZES) == K * PER_MICRO
+    for r in launch(weighted_worker, 2, device="cpu", echo=False, timeout=60):
+        assert r["buckets"] >= 2, "the test needs several buckets"
+        assert r["all_reduces"] == r["buckets"], "one all-reduce per bucket, after the last"
+        for g, ref in zip(r["weighted"], r["large"], strict=True):
+            torch.testing.assert_close(g, ref)
+
+
+def hooks_worker(env: DistEnv) -> dict:
+    full_float32()
+    x, y = global_batch(env.world_size)
+    grads = {}
+    for name, hook in {
+        "float32": default_hooks.allreduce_hook,
+        "bf16_compress_hook": default_hooks.bf16_compress_hook,
+        "bf16_hook": LESSON.bf16_hook,
+    }.items():
+        model = DDP(small_model())
+        model.register_comm_hook(None, hook)
+        F.cross_entropy(
+            model(x[env.rank :: env.world_size]), y[env.rank :: env.world_size]
+        ).backward()
+        grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    return grads
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_exercise_3_solution_is_bf16_compress_hook_bit_for_bit(world_size: int) -> None:
+    for g in launch(hooks_worker, world_size, device="cpu", echo=False, timeout=60):
+        assert torch.equal(g["bf16_hook"], g["bf16_compress_hook"])
+        assert g["bf16_hook"].dtype == torch.float32
+        assert not torch.equal(g["bf16_hook"], g["float32"]), "bf16 rounds: not float32's sums"
+        torch.testing.assert_close(g["bf16_hook"], g["float32"], rtol=0.05, atol=1e-3)
