@@ -1,6 +1,6 @@
-"""Is the hand-built DDP as fast as DDP? Lesson 06's overlapped buckets against DDP (target <= 1.15)
+"""Is the hand-built DDP as fast as DDP? Lesson 06a's overlapped buckets vs DDP (target <= 1.15)
 
-Lesson 06 (section 1) builds DDP's speed by hand: gradients packed into buckets, each bucket
+Lesson 06a builds DDP's speed by hand: gradients packed into buckets, each bucket
 all-reduced from gradient hooks during the backward pass with an asynchronous collective, all
 waited on before the optimizer step. This script times that code, as the lesson's cells write
 it (`OverlapBuckets` and `make_buckets`, read from the notebook with
@@ -13,8 +13,9 @@ mgpu_helpers.lesson_code.load_lesson_code), against torch's DistributedDataParal
 Same MLP, same data, same bucket cap, same CPU threads per rank, one launch. Each timing covers
 --steps full training steps (zero_grad, forward, backward, the exchange, SGD step) on rank 0
 (the ranks run in lockstep: each exchange waits for all), with the device synchronised at both
-ends; the variants take turns in rounds (the order rotates), and the ratio quoted is the median
-over the rounds of hand-built time / DDP time. Before timing, one step's gradients of the
+ends; the variants take turns in rounds (the order varies, and the ranks are lined up before
+each call; 6 rounds complete one balanced order of the three), and the ratio quoted is the
+median over the rounds of hand-built time / DDP time. Before timing, one step's gradients of the
 hand-built version are checked against DDP's.
 
 Target: ratio <= 1.15 on the CPU with gloo (the hand-built version may be at most 15% slower
@@ -24,7 +25,7 @@ on a busy machine are noisy: the "rounds agree" column says whether the rounds a
 faster; run on an idle machine, and compare ratios from one run, not across runs.
 
     PYTHONPATH=. python benchmarks/ddp_from_scratch.py                  # best device here
-    PYTHONPATH=. python benchmarks/ddp_from_scratch.py --device cpu --ranks 2 --repeats 9
+    PYTHONPATH=. python benchmarks/ddp_from_scratch.py --device cpu --ranks 2 --repeats 12
     PYTHONPATH=. python benchmarks/ddp_from_scratch.py --quick --out benchmarks/results/ddp.json
 
 Ranks: one per GPU (NCCL) by default; with one GPU, two ranks share it over gloo; on the CPU, two
@@ -62,12 +63,12 @@ from mgpu_helpers.util import write_json  # noqa: E402
 TARGET = 1.15  # hand-built time / DDP time, on the CPU with gloo
 IN_FEATURES, CLASSES = 256, 10  # the lesson's MLP: 256 inputs, 10 classes
 
-# The hand-built version is lesson 06's (section 1.3), read from its notebook and run as its
+# The hand-built version is lesson 06a's (section 3), read from its notebook and run as its
 # cells write it: the lesson is the one place this code lives. The namespace holds the names that
 # code uses (the lesson's imports); BUCKET_CAP_MB comes from its parameters cell (a default).
 NAMES = ("BUCKET_CAP_MB", "make_buckets", "OverlapBuckets")
 lesson = load_lesson_code(
-    "06",
+    "06a",
     NAMES,
     {"dist": dist, "functools": functools, "nn": nn, "torch": torch},
     folder=Path(__file__).resolve().parent.parent / "notebooks",
@@ -105,9 +106,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         sizes = {"width": 256, "depth": 2, "batch": 16, "cap_mb": 0.25, "steps": 2, "repeats": 3}
     elif on_gpu:
-        sizes = {"width": 2048, "depth": 4, "batch": 256, "cap_mb": 25.0, "steps": 10, "repeats": 7}
+        sizes = {"width": 2048, "depth": 4, "batch": 256, "cap_mb": 25.0, "steps": 10, "repeats": 6}
     else:
-        sizes = {"width": 1024, "depth": 3, "batch": 32, "cap_mb": 4.0, "steps": 5, "repeats": 7}
+        sizes = {"width": 1024, "depth": 3, "batch": 32, "cap_mb": 4.0, "steps": 5, "repeats": 6}
     for name, value in sizes.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -1,4 +1,4 @@
-"""benchmarks/ddp_from_scratch.py runs lesson 06's own code and writes its JSON (no timing is
+"""benchmarks/ddp_from_scratch.py runs lesson 06a's own code and writes its JSON (no timing is
 asserted: speed belongs in the benchmark, not in the tests)."""
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
         assert stopped.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_the_benchmark_runs_lesson_06s_own_code() -> None:
-    """OverlapBuckets and make_buckets are written in lesson 06's cells only."""
+def test_the_benchmark_runs_lesson_06as_own_code() -> None:
+    """OverlapBuckets and make_buckets are written in lesson 06a's cells only."""
     benchmark = load_benchmark("ddp_from_scratch")
-    notebook = str(ROOT / "notebooks" / "06_performance.ipynb")
-    assert benchmark.lesson.OverlapBuckets.__module__ == "06_performance"
+    notebook = str(ROOT / "notebooks" / "06a_ddp_speed_by_hand.ipynb")
+    assert benchmark.lesson.OverlapBuckets.__module__ == "06a_ddp_speed_by_hand"
     assert benchmark.lesson.make_buckets.__code__.co_filename.startswith(notebook)
     assert getattr(benchmark, "OverlapBuckets", None) is None  # no copy of its own
