@@ -34,19 +34,24 @@ def cpu_has_bf16_instructions(cpuinfo: str | Path = "/proc/cpuinfo") -> bool | N
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def plot_formats(values: torch.Tensor, errors: Mapping[torch.dtype, torch.Tensor]) -> Figure:
+def plot_formats(
+    values: torch.Tensor, errors: Mapping[torch.dtype, torch.Tensor], window: int = 10
+) -> Figure:
     """Relative rounding error against magnitude, one line per format (lesson 06c, section 1).
 
-    ``errors[dtype][i]`` is the relative error of storing ``values[i]`` in ``dtype``: 1 where
-    the value underflows to zero, infinite where it overflows (drawn at the top, dotted). Dashed
-    lines mark each format's smallest normal number.
+    ``errors[dtype][i]`` is the relative error of storing ``values[i]`` (ascending) in
+    ``dtype``: 1 where the value underflows to zero, infinite where it overflows (drawn at the
+    top, dotted). Each line is the largest error among ``window`` neighbouring values, so it
+    shows the worst case instead of the noise of single values. Dashed lines mark each format's
+    smallest normal number.
     """
     fig = Figure(figsize=(9, 3.6), layout="constrained")
     ax = fig.subplots()
-    x = values.double().abs().numpy()
+    usable = len(values) // window * window
+    x = values[:usable].double().abs().reshape(-1, window)[:, 0].numpy()
     for dtype, err in errors.items():
         colour = _COLOURS.get(dtype, "tab:red")
-        e = err.double().clamp(min=1e-12).numpy()
+        e = err[:usable].double().reshape(-1, window).amax(dim=1).clamp(min=1e-12).numpy()
         finite = e < float("inf")
         ax.loglog(x[finite], e[finite], color=colour, label=_name(dtype))
         if not finite.all():
@@ -63,7 +68,7 @@ def plot_formats(values: torch.Tensor, errors: Mapping[torch.dtype, torch.Tensor
     ax.set_ylabel("relative rounding error")
     ax.set_ylim(1e-9, 3)
     ax.set_title("What each format keeps: flat = full precision, rising = subnormal, 1 = lost")
-    ax.legend(loc="lower left", fontsize="small")
+    ax.legend(loc="center right", fontsize="small")
     return fig
 
 
@@ -93,7 +98,7 @@ def plot_gradient_range(
             float(torch.log2(torch.tensor(value))),
             color="black",
             linestyle=style,
-            label=f"{_name(dtype)} {name}: 2^{float(torch.log2(torch.tensor(value))):.0f}",
+            label=f"{_name(dtype)} {name}: {value:.3g}",
         )
     ax.set_xlabel("log2 |gradient entry|")
     ax.set_ylabel("entries")
