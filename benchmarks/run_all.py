@@ -160,7 +160,7 @@ def _ddp_from_scratch(r: Mapping) -> list[Headline]:
 
 def _plot_ddp_from_scratch(r: Mapping) -> Figure:
     devices = ", ".join(r["placement"]["devices"])
-    title = f"DDP against lesson 06's hand-built buckets ({devices})"
+    title = f"DDP against lesson 06a's hand-built buckets ({devices})"
     return _bars(title, r["seconds_per_timing"], f"seconds per {r['steps']} steps")
 
 

@@ -63,7 +63,8 @@ class Clock:
         if self.device.type != "cuda":
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        # this device's stream, not the current device's: a callback may run in another thread
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def start(self) -> None:
@@ -202,9 +203,10 @@ def assert_same_gradients(
     difference (lesson 06a).
 
     ``results[rank][name]["grads"]`` is the list of one step's gradients (``None`` where a
-    parameter got none). Tolerance: each averaged value is a sum of world-size terms, rounded a
-    few times and in an order that may differ (DDP divides before it sums), so a few float32
-    units in the last place of the gradient's scale, growing with the number of ranks.
+    parameter got none). Tolerance: with 2 ranks the two are identical to the bit; with more
+    they may differ in the last place, since DDP divides before it sums (exact only by a power
+    of two) and an all-reduce may add the ranks' values in another order for a flat bucket. So
+    a few float32 units in the last place of the gradient's scale, growing with the ranks.
     """
     eps, n, worst = torch.finfo(torch.float32).eps, len(results), 0.0
     for rank, r in enumerate(results):
@@ -310,7 +312,7 @@ def plot_step_timeline(
 ) -> Figure:
     """One measured step on one rank (lesson 06a): compute pieces on the top row, each bucket's
     all-reduce on a row of its own, from launch to done. Times in seconds, drawn in ms from the
-    earliest. ``bound``: the reachable lower bound of the step (forward + max(backward,
+    earliest. ``bound``: the step's lower bound with perfect overlap (forward + max(backward,
     all-reduce) + optimizer, from separate measurements), drawn as a dashed line."""
     if not phases or not comm:
         raise ValueError("need both the compute pieces and the buckets' all-reduces to draw")
@@ -341,7 +343,7 @@ def plot_step_timeline(
                 bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})  # fmt: skip
     ax.set_yticks(range(1 + len(comm)), ["compute", *(label for label, _, _ in comm)])
     if bound is not None:
-        ax.axvline(bound * 1e3, color="C3", linestyle="--", label="reachable bound")
+        ax.axvline(bound * 1e3, color="C3", linestyle="--", label="bound with perfect overlap")
         ax.legend(loc="lower right", fontsize="small")
     ax.invert_yaxis()
     ax.set_xlim(0, span * 1.15 or 1)

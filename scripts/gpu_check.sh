@@ -80,7 +80,8 @@ step gpu_tests 210 "$PY" -m pytest -p no:cacheprovider -q -rs -m "gpu or multigp
   tests/test_data_parallel.py tests/test_ddp.py tests/test_ddp_batchnorm.py tests/test_devices.py \
   tests/test_doctor.py tests/test_devices_extra.py tests/test_launch.py \
   tests/test_model_parallel.py tests/test_allocator_claims.py tests/test_timing.py \
-  tests/test_train.py tests/test_ddp_by_hand.py tests/test_comm.py tests/test_scaling.py \
+  tests/test_train.py tests/test_ddp_by_hand.py tests/test_overlap.py tests/test_comm.py \
+  tests/test_scaling.py \
   tests/test_no_sync.py tests/test_amp.py tests/test_loading.py \
   tests/test_torchrun_gpu.py \
   tests/test_memory.py tests/test_zero.py tests/test_fsdp.py tests/test_sharded_checkpoint.py \
@@ -93,8 +94,8 @@ step loop_overhead 90 "$PY" benchmarks/loop_overhead.py --out "$out/loop_overhea
 step launch_overhead 90 "$PY" benchmarks/launch_overhead.py --repeats 3 \
   --out "$out/launch_overhead.json"
 step pipeline 90 "$PY" benchmarks/pipeline.py --out "$out/pipeline.json"
-# lesson 06: the hand-built DDP against DDP (one GPU: 2 ranks share it over gloo), and the
-# all-reduce sweep from 1 KiB to 64 MiB (its default on NCCL, 1 GiB, takes longer)
+# lesson 06a: the hand-built DDP against DDP (one GPU: 2 ranks share it over gloo); lesson 06b:
+# the all-reduce sweep from 1 KiB to 64 MiB (its default on NCCL, 1 GiB, takes longer)
 step ddp_from_scratch 60 "$PY" benchmarks/ddp_from_scratch.py --repeats 5 \
   --out "$out/ddp_from_scratch.json"
 step allreduce 60 "$PY" benchmarks/allreduce.py --max-mb 64 --repeats 3 \

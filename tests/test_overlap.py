@@ -163,3 +163,43 @@ def test_the_timeline_keeps_duration_labels_clear_of_the_bars_and_draws_the_boun
         plot_step_timeline([("x", 1.0, 0.0)], comm)
     with pytest.raises(ValueError, match="need both"):
         plot_step_timeline([], comm)
+
+
+def big_bucket_worker(env: DistEnv) -> tuple[float, float]:
+    """One DDP step of a model that is one 256 MiB bucket: the recorded all-reduce against the
+    same all-reduce timed alone with CUDA events."""
+    model = nn.Linear(8192, 8192, bias=False).to(env.device)  # 256 MiB of float32 gradient
+    ids = [env.device.index] if env.backend == "nccl" else None
+    ddp = DDP(model, device_ids=ids, bucket_cap_mb=1024)
+    recorder = BucketRecorder(model, env.device)
+    ddp.register_comm_hook(None, recorder.hook)
+    x = torch.randn(8, 8192, device=env.device)
+    for _ in range(3):
+        recorder.new_step()
+        ddp(x).sum().backward()
+    torch.cuda.synchronize(env.device)
+    (_, launched, done), *_ = recorder.intervals()
+    buffer = torch.ones(8192 * 8192, device=env.device)
+    clock = Clock(env.device)
+    torch.distributed.all_reduce(buffer)  # blocking: the stream waits for the collective
+    end = clock.now()
+    torch.cuda.synchronize(env.device)
+    return done - launched, clock.seconds(end)
+
+
+@pytest.mark.parametrize(
+    "share",
+    [
+        pytest.param(True, id="shared-gpu", marks=pytest.mark.gpu),
+        pytest.param(False, id="nccl", marks=pytest.mark.multigpu),
+    ],
+)
+def test_on_gpus_the_recorded_end_of_an_all_reduce_is_its_end_on_the_device(share: bool) -> None:
+    """If the callback's event were not ordered after the collective, a 256 MiB bucket would
+    seem to finish at once; it must take about as long as the same all-reduce timed alone."""
+    from mgpu_helpers.placement import place
+
+    for recorded, alone in launch(
+        big_bucket_worker, place(2, "cuda", share_gpus=share), echo=False, timeout=180
+    ):
+        assert recorded >= 0.5 * alone, (recorded, alone)
