@@ -1,7 +1,7 @@
 """Where training memory goes: bytes of parameters, gradients, optimizer state, activations.
 
 One implementation for the lessons that count memory: lesson 05 splits it per device and per
-pipeline stage (:func:`memory_by_device`, :func:`memory_by_stage`), lesson 06 measures what
+pipeline stage (:func:`memory_by_device`, :func:`memory_by_stage`), lesson 06c measures what
 autograd saves (:func:`saved_activation_bytes`), and lesson 08 counts what each rank holds
 under DDP, ZeRO and FSDP2 (:func:`tensor_bytes`, :func:`optimizer_state_bytes`) and reads the
 CUDA allocator next to it (:func:`cuda_memory`). Everything here counts tensors, so it is

@@ -16,13 +16,11 @@ from .model_parallel import Event, bubble_fraction
 from .train import History
 
 __all__ = [
-    "overlap_seconds",
     "plot_batch_split",
     "plot_history",
     "plot_ideal_schedule",
     "plot_memory",
     "plot_micro_batch_sweep",
-    "plot_overlap",
     "plot_throughput",
     "plot_timeline",
 ]
@@ -442,79 +440,6 @@ def plot_cost_model(
     ax.set(ylabel="ms per all-reduce", title=title)
     ax.grid(alpha=0.3, which="both")
     ax.legend(loc="upper left", fontsize="small")  # small messages sit low: the corner is free
-    fig.tight_layout()
-    return fig
-
-
-# lesson 06, section 1
-
-
-def _merged(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The union of time intervals, as sorted disjoint intervals."""
-    out: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
-
-
-def overlap_seconds(
-    compute: Sequence[tuple[str, float, float]], comm: Sequence[tuple[str, float, float]]
-) -> float:
-    """How long some communication was in flight while some compute ran (lesson 06).
-
-    Both are ``(label, start, end)`` in seconds; overlapping intervals of one kind count once.
-    """
-    total = 0.0
-    for a0, a1 in _merged([(s, e) for _, s, e in compute]):
-        for b0, b1 in _merged([(s, e) for _, s, e in comm]):
-            total += max(0.0, min(a1, b1) - max(a0, b0))
-    return total
-
-
-def plot_overlap(
-    compute: Sequence[tuple[str, float, float]],
-    comm: Sequence[tuple[str, float, float]],
-    title: str = "",
-) -> Figure:
-    """One step's backward pass and its all-reduces on one rank, on one time axis (lesson 06).
-
-    ``compute``: ``(label, start, end)`` per piece of backward work (a layer's gradients);
-    ``comm``: ``(label, start, end)`` per bucket, from its all-reduce's launch to its
-    completion. Times in seconds, drawn in ms from the earliest. The top row is the backward
-    pass; each bucket gets a row of its own, since their all-reduces may be in flight together.
-    """
-    if not compute or not comm:
-        raise ValueError("need both the backward's pieces and the buckets' all-reduces to draw")
-    for label, start, end in (*compute, *comm):
-        if end < start:
-            raise ValueError(f"{label!r} ends ({end}) before it starts ({start})")
-    t0 = min(s for _, s, _ in (*compute, *comm))
-    last = max(e for _, _, e in (*compute, *comm))
-    span = (last - t0) * 1e3
-    fig = Figure(figsize=(10, 1.3 + 0.5 * (1 + len(comm))))
-    ax = fig.subplots()
-    for k, (label, start, end) in enumerate(compute):
-        left, width = (start - t0) * 1e3, (end - start) * 1e3
-        ax.barh(0, width, 0.7, left, color=f"C{k % 10}", alpha=0.8, **_EDGE)
-        if span > 0 and width / span > 0.06:
-            ax.text(left + width / 2, 0, label, **_CENTRE, size="small")
-    for row, (_label, start, end) in enumerate(comm, 1):
-        left, width = (start - t0) * 1e3, (end - start) * 1e3
-        ax.barh(row, width, 0.7, left, color="lightgrey", hatch="//", **_EDGE)
-        ax.text(left + width, row, f" {width:.1f} ms", va="center", size="small")
-    backward_end = (max(e for _, _, e in compute) - t0) * 1e3
-    ax.axvline(backward_end, color="black", linestyle=":", label="backward ends")
-    ax.set_yticks(range(1 + len(comm)), ["backward", *(label for label, _, _ in comm)])
-    ax.invert_yaxis()
-    ax.set_xlim(0, span * 1.12 or 1)  # room for the last bar's duration
-    ax.set_xlabel("time (ms)")
-    ax.grid(axis="x", alpha=0.3)
-    ax.legend(**_BESIDE)
-    both = overlap_seconds(compute, comm) * 1e3
-    ax.set_title(title or f"all-reduce in flight during backward: {both:.1f} ms")
     fig.tight_layout()
     return fig
 

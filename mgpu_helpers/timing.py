@@ -4,7 +4,7 @@ GPU kernels run asynchronously, so :func:`measure` synchronises before reading t
 up first and reports the median of several repeats: the rules lesson 01 writes out by hand.
 To compare two ways of doing the same work on a busy machine, :func:`measure_alternating` times
 them in rounds, so a slow spell hits both alike, and :func:`compare` says from the rounds
-whether one was really faster. In a distributed run (lesson 06) every rank calls it with the
+whether one was really faster. In a distributed run (lessons 06a, 06b) every rank calls it with the
 same functions, and it lines the ranks up before each timed call, so that no function is
 charged for the time a late rank kept the others waiting.
 """
@@ -77,7 +77,7 @@ def measure(
 
     ``device`` may be a list: work spread over several GPUs is timed until all have finished.
     It times this process only and never waits for other ranks, so one rank may call it alone
-    (lesson 06 times a memory copy on rank 0 while the others wait). To time work that several
+    (lesson 06b times a memory copy on rank 0 while the others wait). To time work that several
     ranks do together, use :func:`measure_alternating` (it lines the ranks up before each timed
     call) or :func:`mgpu_helpers.comm.time_collective`.
     """
@@ -166,8 +166,8 @@ def measure_alternating(
     or always right after the same other one. Each :class:`Timing`'s ``times[i]`` come from
     round ``i``, ready for :func:`compare`.
 
-    In a distributed run (lesson 06) every rank of ``group`` (default: all ranks) must call it
-    with the same functions in the same order. Before each timed call it synchronises this
+    In a distributed run (lessons 06a, 06b) every rank of ``group`` (default: all ranks) must
+    call it with the same functions in the same order. Before each timed call it synchronises this
     rank's devices and waits at a barrier for the other ranks, outside the clock: without that,
     a function timed right after one that left the ranks apart (one rank still working) would
     wait for the late rank at its first collective, and be charged for it. With
@@ -237,7 +237,7 @@ class Comparison:
         return self.p_value < 0.1
 
     def brief(self) -> str:
-        """A table cell (lesson 06): the ratio when it means something, else the rounds' range."""
+        """A table cell (lessons 06a, 06b): the ratio when it means something, else the range."""
         if self.meaningful:
             return f"{self.median:.2f}x"
         return f"no verdict ({self.low:.2f}x to {self.high:.2f}x)"

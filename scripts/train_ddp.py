@@ -92,7 +92,7 @@ class RunOptions:
     snapshot: Path | None  # the snapshot file (None: no snapshots, no resume)
     snapshot_every: int  # also snapshot every N optimizer steps (0: after each epoch only)
     out: Path | None  # rank 0 writes result.json and model.pt here at the end
-    amp: bool  # autocast as in lesson 06: bf16 where supported, else fp16 with a GradScaler
+    amp: bool  # autocast as in lesson 06c: bf16 where supported, else fp16 with a GradScaler
     sync_bn: bool  # SyncBatchNorm, as lesson 04's sync_bn (GPUs only)
     kill_at_step: int | None  # fault injection: a rank dies right before this global step
     kill_rank: int  # ... this rank
@@ -119,8 +119,8 @@ def train_ddp(env: DistEnv, cfg: LessonConfig, run: RunOptions) -> dict[str, Any
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # before the wrap
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
-    amp_dtype = autocast_dtype(device)  # lesson 06: bf16 where supported, else fp16
-    # fp16 needs its loss scaled (lesson 06); disabled, the scaler passes everything through
+    amp_dtype = autocast_dtype(device)  # lesson 06c: bf16 where supported, else fp16
+    # fp16 needs its loss scaled (lesson 06c); disabled, the scaler passes everything through
     scaler = torch.amp.GradScaler(device.type, enabled=run.amp and amp_dtype == torch.float16)
     history = History()
     first_epoch, step, written = 0, 0, 0  # step: optimizer steps of the whole run
@@ -213,10 +213,10 @@ def snapshot_due(run: RunOptions, step: int, epoch_done: bool) -> bool:
 
 # --- precision and fault injection -------------------------------------------------------------
 def autocast_dtype(device: torch.device) -> torch.dtype:
-    """Lesson 06's choice: bf16 on CPUs and GPUs of compute capability 8.0+, else fp16.
+    """Lesson 06c's choice: bf16 on CPUs and GPUs of compute capability 8.0+, else fp16.
 
     ``torch.cuda.is_bf16_supported()`` also says True where bf16 is only emulated (slowly),
-    so the compute capability decides, as in lesson 06.
+    so the compute capability decides, as in lesson 06c.
     """
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
         return torch.float16

@@ -1,4 +1,4 @@
-"""measure_alternating across ranks (lesson 06), with real processes over gloo on the CPU.
+"""measure_alternating across ranks (lessons 06a, 06b), with real processes over gloo on the CPU.
 
 In a distributed run every rank times the same functions. A rank that is still working when the
 others start the next function makes them wait at that function's first collective, and without
@@ -66,7 +66,7 @@ SAME_ROUNDS = 10
 def identical_after_drift(env: DistEnv) -> dict[str, Timing]:
     """Two drifting functions without collectives, then three identical ones with one each.
 
-    In this order a plain rotation (the order before lesson 06's fix) puts "same A" right after
+    In this order a plain rotation (the order before issue 22's fix) puts "same A" right after
     the drifting pair in every round and "same B" never: without a barrier rank 0's "same A"
     waited for rank 1 in all 10 rounds and the rounds gave a false verdict.
     """

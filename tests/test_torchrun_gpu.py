@@ -2,7 +2,7 @@
 
 Two ranks: one per GPU over NCCL with two or more GPUs, both on cuda:0 over gloo with one
 (NCCL refuses two ranks on one GPU). A rank killed mid-run with --max-restarts=1 must end
-where an uninterrupted run does, within a tolerance, and --amp must pick lesson 06's precision.
+where an uninterrupted run does, within a tolerance, and --amp must pick lesson 06c's precision.
 """
 
 from __future__ import annotations

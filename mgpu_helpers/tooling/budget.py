@@ -53,9 +53,6 @@ BASELINE: dict[str, dict[str, float]] = {
     "05_model_parallel.ipynb": {
         "words": 5082, "code": 749, "mean": 21.18, "long": 0.15, "minutes": 121.9
     },
-    "06_performance.ipynb": {
-        "words": 8375, "code": 1381, "mean": 23.94, "long": 0.209, "minutes": 219.2
-    },
     "07_torchrun_and_multinode.ipynb": {"mean": 23.59, "long": 0.206},
     "08_sharding_fsdp.ipynb": {
         "words": 9341, "code": 1220, "mean": 24.46, "long": 0.232, "versions": 7, "minutes": 204.4
