@@ -1,13 +1,16 @@
-"""progress_bar: a live widget in a notebook that ends as plain text; tqdm's text bar elsewhere.
+"""progress_bar: a live HTML bar in a notebook that ends as plain text; tqdm's text bar elsewhere.
 
-The notebook case runs in a real Jupyter kernel (nbclient applies the kernel's display updates
-to the saved outputs exactly as JupyterLab does), so the test sees what a saved notebook keeps.
+The notebook cases run in a real Jupyter kernel: nbclient applies the kernel's display updates
+to the saved outputs exactly as JupyterLab does, so the tests see what a saved notebook keeps;
+and a client listening on the kernel's IOPub channel checks what JupyterLab's status bar shows
+while a bar runs.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -50,15 +53,8 @@ KERNEL_CELLS = [
     "model = torch.nn.Linear(4, 3)\n"
     "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
     "history = fit(model, DataLoader(data, batch_size=8), None, opt, 'cpu', 2)",
-    # 3: a bar that is never closed stays a live widget (nothing to summarise yet)
-    "open_bar = progress_bar(total=10, desc='open')\nopen_bar.update(3)",
-    # 4: a closed bar's widgets are closed too (their models leave the saved widget state)
-    "kept = progress_bar(range(2), desc='kept')\n"
-    "for _ in kept:\n"
-    "    pass\n"
-    "parts = (*kept.container.children, kept.container)\n"
-    "models = [m for w in parts for m in (w, w.layout, getattr(w, 'style', None)) if m]\n"
-    "print('widgets closed:', all(m.comm is None for m in models))",
+    # 3: a bar that is never closed stays a live HTML bar (nothing to summarise yet)
+    "open_bar = progress_bar(total=10, desc='open', mininterval=0)\nopen_bar.update(3);",
 ]
 
 
@@ -109,11 +105,72 @@ def test_in_a_notebook_fits_bars_end_as_text(kernel_outputs):
     assert batches.startswith("epoch 2/2: 100%") and "4/4" in batches
 
 
-def test_in_a_notebook_an_open_bar_is_a_live_widget(kernel_outputs):
-    outputs = kernel_outputs[3]
-    assert any(WIDGET_MIME in o.get("data", {}) for o in outputs)
+def test_in_a_notebook_an_open_bar_is_drawn_as_html(kernel_outputs):
+    (output,) = kernel_outputs[3]
+    assert WIDGET_MIME not in output["data"], "a widget opens a comm (see the test below)"
+    assert '<progress value="3" max="10"' in output["data"]["text/html"]
+    assert output["data"]["text/plain"].startswith("open:  30%")
 
 
-def test_a_closed_bar_closes_its_widgets(kernel_outputs):
-    printed = "".join(o.get("text", "") for o in kernel_outputs[4] if o["output_type"] == "stream")
-    assert "widgets closed: True" in printed, printed
+# A cell that runs for a few seconds with a bar, long enough for JupyterLab's traffic to land.
+SLOW_BAR_CELL = (
+    "import time\n"
+    "from mgpu_helpers.progress import progress_bar\n"
+    "for _ in progress_bar(range(12), desc='slow', mininterval=0):\n"
+    "    time.sleep(0.25)"
+)
+
+
+def _untracked_message_types() -> set[str]:
+    """Request types whose status messages JupyterLab ignores (jupyter_server sends the list)."""
+    kernels = pytest.importorskip("jupyter_server.services.kernels.kernelmanager")
+    return set(kernels.MappingKernelManager.class_traits()["untracked_message_types"].default())
+
+
+def test_jupyterlab_sees_the_kernel_busy_while_a_bar_runs():
+    """The client below answers the kernel's IOPub traffic as JupyterLab 4.6 does.
+
+    On a comm_open from the kernel (a widget), JupyterLab asks a kernel that supports subshells
+    for one (create_subshell_request, on the control channel). It takes any status message as
+    the kernel's status unless the status's parent is a request type in jupyter_server's
+    untracked list, which lacks the subshell requests. So the control thread's "idle" for the
+    subshell request showed the kernel "Idle" while a cell with tqdm's widget still ran.
+    """
+    jupyter_client = pytest.importorskip("jupyter_client")
+    untracked = _untracked_message_types()
+    kernel = jupyter_client.KernelManager(kernel_name="python3")
+    saved = os.environ.get("PYTHONPATH")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + saved if saved else "")}
+    kernel.start_kernel(env=env)
+    client = kernel.client()
+    client.start_channels()
+    try:
+        info = client.kernel_info(reply=True, timeout=60)
+        subshells = "kernel subshells" in info["content"].get("supported_features", [])
+        cell = client.execute(SLOW_BAR_CELL)
+        seen = []  # (message type, its parent's type, execution state), in IOPub order
+        shown = []  # what JupyterLab's status bar shows after each status message it tracks
+        targets = set()  # comm targets JupyterLab asked a subshell for
+        deadline = time.monotonic() + 60
+        while True:
+            msg = client.get_iopub_msg(timeout=max(deadline - time.monotonic(), 0.1))
+            kind, parent = msg["msg_type"], msg["parent_header"].get("msg_type")
+            state = msg["content"].get("execution_state")
+            seen.append((kind, parent, state))
+            if kind == "comm_open" and subshells and msg["content"]["target_name"] not in targets:
+                targets.add(msg["content"]["target_name"])
+                client.control_channel.send(client.session.msg("create_subshell_request", {}))
+            ours = msg["parent_header"].get("msg_id") == cell
+            if kind == "status" and parent not in untracked and (shown or ours):
+                shown.append(state)  # from the cell's "busy" on
+            if kind == "status" and ours and state == "idle":
+                break
+    finally:
+        client.stop_channels()
+        kernel.shutdown_kernel(now=True)
+    statuses = [m for m in seen if m[0] in ("status", "comm_open")]
+    assert shown[0] == "busy" and shown[-1] == "idle", statuses
+    assert "idle" not in shown[1:-1], f"JupyterLab would show 'Idle' while the cell ran: {statuses}"
+    assert "comm_open" not in [m[0] for m in seen], "the bar opened a comm (a widget)"
+    updates = [m for m in seen if m[0] == "update_display_data"]
+    assert len(updates) >= 12, "the bar is redrawn in place by display updates"
