@@ -256,8 +256,9 @@ class Comparison:
                 f" noise (need 5 or more); {rounds}"
             )
         return (
-            f"no measurable difference between {name} and {other}: the {rounds}, so the"
-            " spread between rounds is larger than any difference; a ratio would mean nothing"
+            f"no verdict on {name} against {other}: the rounds disagree on which is faster;"
+            f" {len(self.ratios)} rounds do not resolve a difference smaller than their spread"
+            f" ({self.low:.2f}x to {self.high:.2f}x)"
         )
 
 

@@ -287,7 +287,9 @@ def test_compare_says_when_the_rounds_disagree():
     assert verdict.low < 1 < verdict.high
     assert verdict.p_value == 1.0 and not verdict.meaningful
     text = verdict.describe("DataParallel", "one device")
-    assert text.startswith("no measurable difference") and "a ratio would mean nothing" in text
+    assert text.startswith("no verdict on DataParallel against one device: the rounds disagree")
+    assert "6 rounds do not resolve a difference smaller than their spread" in text
+    assert "equal" not in text and "no measurable difference" not in text  # not equality
     assert "0.50x to 2.00x" in text
     assert verdict.brief() == "no verdict (0.50x to 2.00x)"
 
