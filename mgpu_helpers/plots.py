@@ -543,7 +543,8 @@ def plot_scaling(
 
     ``speedups[kind][i]``: the speed-up of ``ns[i]`` ranks over one, round by round (whiskers:
     the slowest to the fastest round). ``predicted[kind][i]``: the (no overlap, perfect
-    overlap) efficiencies a model predicts, drawn as a band.
+    overlap) efficiencies a model predicts, drawn as a band. A hollow marker: the rounds did not
+    agree on which was faster (``Comparison.meaningful``), so its median is no verdict.
     """
     for kind, values in (*speedups.items(), *predicted.items()):
         if len(values) != len(ns):
@@ -566,6 +567,10 @@ def plot_scaling(
             yerr=[[w / n for w, n in zip(side, ns, strict=True)] for side in whiskers],
             **look,
         )
+        hollow = [j for j, c in enumerate(comparisons) if ns[j] != 1 and not c.meaningful]
+        for ax, scale in ((ax_s, [1] * len(ns)), (ax_e, ns)):
+            ax.plot([ns[j] for j in hollow], [mid[j] / scale[j] for j in hollow], "o",
+                    markerfacecolor="white", markeredgecolor=f"C{i}", zorder=3)
         if kind in predicted:
             low, high = zip(*predicted[kind], strict=True)
             ax_e.fill_between(ns, low, high, color=f"C{i}", alpha=0.15, label=f"{kind}, predicted")

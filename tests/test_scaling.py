@@ -212,3 +212,13 @@ def test_plot_scaling_draws_speed_up_efficiency_and_the_predicted_band() -> None
         plot_scaling(ns, {"weak": weak[:2]}, {})
     with pytest.raises(ValueError, match="need one"):
         plot_scaling(ns, {"weak": weak}, {"weak": [(1.0, 1.0)]})
+
+
+def test_plot_scaling_draws_no_verdict_hollow() -> None:
+    ns = [1, 2, 3]
+    agreed = Comparison((1.8, 1.9, 1.7, 1.8, 2.0))  # all 5 rounds faster: a verdict
+    torn = Comparison((0.8, 1.3, 0.9, 1.2, 1.1))  # the rounds disagree: no verdict
+    fig = plot_scaling(ns, {"weak": [Comparison((1.0,) * 5), agreed, torn]}, {})
+    for ax, y in zip(fig.axes, (1.1, 1.1 / 3), strict=True):
+        hollow = [line for line in ax.get_lines() if line.get_markerfacecolor() == "white"]
+        assert [(list(h.get_xdata()), list(h.get_ydata())) for h in hollow] == [([3], [y])]
