@@ -22,16 +22,17 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def cpu_has_bf16_instructions(cpuinfo: str | Path = "/proc/cpuinfo") -> bool | None:
-    """Whether the CPU has bf16 arithmetic (AVX512-BF16 or AMX), from Linux's CPU flags.
+    """Whether the CPU has bf16 arithmetic, from Linux's CPU flags.
 
-    Lesson 06c: without them, bf16 autocast on the CPU is emulated and often slower than
-    float32. None where the flags cannot be read (macOS, Windows).
+    x86 names it ``avx512_bf16`` or ``amx_bf16``, Arm (aarch64) ``bf16``. Lesson 06c: without
+    it, bf16 autocast on the CPU is emulated and often slower than float32. None where the
+    flags cannot be read (macOS, Windows).
     """
     try:
-        flags = Path(cpuinfo).read_text()
+        words = set(Path(cpuinfo).read_text().split())
     except OSError:
         return None
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return not words.isdisjoint({"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def plot_formats(

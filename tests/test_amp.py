@@ -1,6 +1,7 @@
 """Lesson 06c (mixed precision), with the lesson's own code read from its notebook.
 
-bf16 autocast stays within the lesson's derived bound of float32; fp16 loses small gradients
+bf16 logits stay within the lesson's derived bound of float32's (and above zero), training with
+them lowers the loss as float32 does, gradients stay within 40 u; fp16 loses small gradients
 without a scaler and keeps them with one; the scaled step (unscale, then clip) applies float32's
 clipped gradients, and clipping before unscaling changes the step exactly when S·‖g‖ > max_norm;
 DDP under autocast all-reduces float32 gradients.
@@ -25,7 +26,8 @@ from mgpu_helpers.launch import launch
 from mgpu_helpers.lesson_code import load_lesson_code
 from mgpu_helpers.models import count_parameters, mlp
 
-NAMES = ["amp_step", "amp_scaler", "amp_gradient", "rel_error"]
+NAMES = ["amp_step", "amp_scaler", "amp_gradient", "rel_error", "logit_error"]
+BF16_U = 2.0**-8  # bf16's unit roundoff
 
 
 def load(names: list[str], extra: dict) -> types.SimpleNamespace:
@@ -62,14 +64,17 @@ def test_bf16_autocast_gradients_are_close_to_float32() -> None:
     model, x, y = model_and_batch()
     reference = LESSON.amp_gradient(model, x, y, torch.float32)
     bf16 = LESSON.amp_gradient(model, x, y, torch.bfloat16)
-    # the lesson's allowance for bf16 gradients (cancellation and ReLU flips, section 3)
-    assert 0 < LESSON.rel_error(bf16, reference) < 0.2
+    # the lesson's empirical allowance (cancellation and ReLU flips; measured about 8 u here)
+    assert 0 < LESSON.rel_error(bf16, reference) <= 40 * BF16_U
 
 
-def test_bf16_training_stays_within_the_lessons_bound() -> None:
-    """|loss16 − loss32| <= 2·τ·max|logit| with τ = 4·√layers·u (section 3's derivation)."""
-    tau = 4 * math.sqrt(3) * 2.0**-8  # three linear layers
-    losses, largest = {}, []
+def test_bf16_logits_stay_within_the_lessons_bound_at_every_step() -> None:
+    """0 < ‖z16 − z32‖/‖z32‖ <= τ = 4·√layers·u on the same weights (section 3's derivation).
+
+    Measured here: about 1.2 u against τ ≈ 6.9 u. The lower bound catches autocast not running.
+    """
+    tau = 4 * math.sqrt(3) * BF16_U  # three linear layers
+    losses, errors = {}, []
     for dtype in (torch.float32, torch.bfloat16):
         model, x, y = model_and_batch()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -77,13 +82,19 @@ def test_bf16_training_stays_within_the_lessons_bound() -> None:
         assert not scaler.is_enabled(), "bf16 and float32 need no scaler"
         losses[dtype] = []
         for _ in range(8):
-            if dtype == torch.float32:
-                with torch.no_grad():
-                    largest.append(model(x).abs().max().item())
+            if dtype == torch.bfloat16:
+                errors.append(LESSON.logit_error(model, x, dtype))
             losses[dtype].append(LESSON.amp_step(model, optimizer, scaler, x, y, dtype).item())
-    assert losses[torch.float32][-1] < losses[torch.float32][0] - 0.1, "the loss should fall"
-    for a, b, z in zip(losses[torch.bfloat16], losses[torch.float32], largest, strict=True):
-        assert abs(a - b) <= 2 * tau * z
+    assert 0 < min(errors) and max(errors) <= tau, [e / BF16_U for e in errors]
+    drop32, drop16 = (run[0] - run[-1] for run in (losses[torch.float32], losses[torch.bfloat16]))
+    assert drop32 > 0.1, "the loss should fall"
+    assert drop16 >= 0.9 * drop32, "the bf16 run should learn as float32 does"
+
+
+def test_logit_error_is_zero_without_autocast() -> None:
+    """The lower bound has teeth: float32 "under autocast" changes no logit."""
+    model, x, _ = model_and_batch()
+    assert LESSON.logit_error(model, x, torch.float32) == 0
 
 
 def test_the_scaled_step_unscales_before_clipping() -> None:
@@ -176,6 +187,7 @@ def test_ddp_under_autocast_all_reduces_float32_gradients() -> None:
     n_params = count_parameters(code.make_model())
     for result in ranks:
         assert result["logits"] == "torch.bfloat16"
+        assert result["loss"] == "torch.float32", "the loss belongs inside the autocast block"
         assert {kind for kind, _ in result["sent"]} == {"torch.float32"}
         assert sum(n for _, n in result["sent"]) == 4 * n_params
     assert ranks[0]["checksum"] == ranks[1]["checksum"]
@@ -185,15 +197,33 @@ def test_ddp_under_autocast_all_reduces_float32_gradients() -> None:
 def test_autocast_on_the_gpu_stays_close_trains_and_keeps_less_for_backward() -> None:
     """bf16 from compute capability 8.0 on, else fp16 with the scaler: the lesson's choice."""
     full_float32()  # the float32 reference without TF32
-    dev = torch.device("cuda:0")
+    matmul = torch.backends.cuda.matmul
+    reduced = (
+        matmul.allow_fp16_reduced_precision_reduction,
+        matmul.allow_bf16_reduced_precision_reduction,
+    )
+    matmul.allow_fp16_reduced_precision_reduction = False  # 16-bit products summed in float32
+    matmul.allow_bf16_reduced_precision_reduction = False
+    try:
+        check_autocast_on_the_gpu(torch.device("cuda:0"))
+    finally:
+        (
+            matmul.allow_fp16_reduced_precision_reduction,
+            matmul.allow_bf16_reduced_precision_reduction,
+        ) = reduced
+
+
+def check_autocast_on_the_gpu(dev: torch.device) -> None:
     gpu = lesson(dev)
     fp16 = torch.cuda.get_device_capability(dev) < (8, 0)
     dtype = torch.float16 if fp16 else torch.bfloat16
     model, x, y = model_and_batch()
     model, x, y = model.to(dev), x.to(dev), y.to(dev)
+    u = torch.finfo(dtype).eps / 2
+    assert 0 < gpu.logit_error(model, x, dtype) <= 4 * math.sqrt(3) * u
     reference = gpu.amp_gradient(model, x, y, torch.float32)
     mixed = gpu.amp_gradient(model, x, y, dtype, scale=S if fp16 else 1.0)
-    assert gpu.rel_error(mixed, reference) < (0.05 if fp16 else 0.2)
+    assert 0 < gpu.rel_error(mixed, reference) <= 40 * u
     optimizer, scaler = torch.optim.SGD(model.parameters(), lr=0.1), gpu.amp_scaler(dtype)
     assert scaler.is_enabled() == fp16
     losses = [gpu.amp_step(model, optimizer, scaler, x, y, dtype, 1.0).item() for _ in range(8)]

@@ -26,6 +26,15 @@ def test_bf16_flags_are_read_from_cpuinfo(tmp_path) -> None:
     assert cpu_has_bf16_instructions(tmp_path / "missing") is None
 
 
+def test_bf16_flag_of_arm_cpus_counts_as_a_whole_word(tmp_path) -> None:
+    arm = tmp_path / "arm"
+    arm.write_text("Features\t: fp asimd evtstrm aes sve i8mm bf16 sveb16b16\n")
+    older = tmp_path / "older"  # bf16 only inside another flag's name
+    older.write_text("Features\t: fp asimd evtstrm aes sve svebf16\n")
+    assert cpu_has_bf16_instructions(arm) is True
+    assert cpu_has_bf16_instructions(older) is False
+
+
 def test_plot_formats_draws_a_line_per_format_and_marks_overflow() -> None:
     values = torch.logspace(-45, 38, 200, dtype=torch.float64)
     errors = {
