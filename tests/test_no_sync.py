@@ -28,6 +28,20 @@ NAMES = ["counting_allreduce_hook", "accumulate_gradients", "accumulate_weighted
 LESSON = load_lesson_code(
     "06b", NAMES, lesson_imports("06b", ROOT / "notebooks"), folder=ROOT / "notebooks"
 )
+# Section 4's worker and its renamed hooks, with the head's parameters made small (the lesson's
+# names, so its code reads them unchanged): 10 kB buckets, several of them.
+SMALL = {"WIDTH": 64, "DEPTH": 2, "BATCH_SIZE": 4, "SEED": 0, "IN_FEATURES": 16, "CLASSES": 5}
+SECTION_4 = load_lesson_code(
+    "06b",
+    ["make_model", "make_batch", "U_BF16", "bf16_compress", "bf16_counting", "bf16_worker"],
+    {
+        **lesson_imports("06b", ROOT / "notebooks"),
+        **SMALL,
+        "BUCKET_CAP_MB": 0.01,
+        "counting_allreduce_hook": LESSON.counting_allreduce_hook,
+    },
+    folder=ROOT / "notebooks",
+)
 K, PER_MICRO, FEATURES = 3, 4, 16
 
 
@@ -168,13 +182,15 @@ def test_exercise_2_solution_equals_the_large_batch_over_unequal_micro_batches()
             torch.testing.assert_close(g, ref)
 
 
-def hooks_worker(env: DistEnv) -> dict:
+def hooks_worker(env: DistEnv, cuda_build: bool = True) -> dict:
     full_float32()
+    if not cuda_build:
+        torch.version.cuda = None  # this rank's torch now reads as a macOS or CPU-only wheel
     x, y = global_batch(env.world_size)
     grads = {}
     for name, hook in {
         "float32": default_hooks.allreduce_hook,
-        "bf16_compress_hook": default_hooks.bf16_compress_hook,
+        "bf16_compress": SECTION_4.bf16_compress,  # exercise 3's reference: the renamed hook
         "bf16_hook": LESSON.bf16_hook,
     }.items():
         model = DDP(small_model())
@@ -186,10 +202,48 @@ def hooks_worker(env: DistEnv) -> dict:
     return grads
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_exercise_3_solution_is_bf16_compress_hook_bit_for_bit(world_size: int) -> None:
-    for g in launch(hooks_worker, world_size, device="cpu", echo=False, timeout=60):
-        assert torch.equal(g["bf16_hook"], g["bf16_compress_hook"])
+@pytest.mark.parametrize(("world_size", "cuda_build"), [(2, True), (3, True), (2, False)])
+def test_exercise_3_solution_is_bf16_compress_hook_bit_for_bit(
+    world_size: int, cuda_build: bool
+) -> None:
+    results = launch(hooks_worker, world_size, cuda_build, device="cpu", echo=False, timeout=60)
+    for g in results:
+        assert torch.equal(g["bf16_hook"], g["bf16_compress"])
         assert g["bf16_hook"].dtype == torch.float32
         assert not torch.equal(g["bf16_hook"], g["float32"]), "bf16 rounds: not float32's sums"
         torch.testing.assert_close(g["bf16_hook"], g["float32"], rtol=0.05, atol=1e-3)
+
+
+# --- section 4 where DDP refuses the bf16 hooks' names ------------------------------------------
+# DDP._check_comm_hook refuses hooks named bf16_compress_hook or bf16_compress_wrapper_hook unless
+# torch.version.cuda (or hip) is set and NCCL >= 2.10: a check of how torch was built, whatever
+# the backend. macOS and Linux CPU-only wheels fail it; setting torch.version.cuda to None in a
+# rank makes this (CUDA) build read as one of them.
+
+
+def bf16_section_worker(env: DistEnv, cuda_build: bool) -> dict:
+    if not cuda_build:
+        torch.version.cuda = None
+    return SECTION_4.bf16_worker(env)
+
+
+def real_hooks_allowed() -> bool:
+    return (
+        (torch.version.cuda is not None or torch.version.hip is not None)
+        and dist.is_nccl_available()
+        and torch.cuda.nccl.version() >= (2, 10)
+    )
+
+
+@pytest.mark.parametrize("cuda_build", [False, True])
+def test_section_4_runs_where_ddp_refuses_the_bf16_hook_names(cuda_build: bool) -> None:
+    if cuda_build and not real_hooks_allowed():
+        pytest.skip("this torch refuses the bf16 hooks' names: the real hooks cannot be compared")
+    for r in launch(bf16_section_worker, 2, cuda_build, device="cpu", echo=False, timeout=60):
+        refused = [] if cuda_build else ["bf16_compress_hook", "bf16_compress_wrapper_hook"]
+        assert r["refused"] == refused
+        # with the real hooks registered, the renamed one gives their gradients bit for bit
+        assert r["renamed"] and r["same"]
+        float32, _, bf16 = r["sent"].values()
+        assert 2 * bf16 == float32, "the renamed wrapper sends 2 bytes per gradient"
+        assert r["worst"] <= 1, "the bf16 gradients within the lesson's bound"
