@@ -7,9 +7,11 @@ macOS and Windows; the lesson's ``data_loader`` and ``data_epoch`` are read from
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing
 import pickle
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +20,9 @@ from torch.utils.data import DataLoader
 
 from mgpu_helpers.config import LessonConfig
 from mgpu_helpers.data import EncodedImages
-from mgpu_helpers.lesson_code import load_lesson_code
+from mgpu_helpers.lesson_code import load_lesson_code, python_only
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks/02_single_device_baseline.ipynb"
 
 
 def lesson_code(device: torch.device) -> SimpleNamespace:
@@ -113,6 +117,44 @@ def test_the_blur_averages_neighbours_and_keeps_a_flat_image() -> None:
     blurred = _box_blur(impulse)
     torch.testing.assert_close(blurred[0, 1:4, 1:4], torch.ones(3, 3))
     assert blurred.sum() == 9.0
+
+
+def lesson_cell(cell_id: str) -> str:
+    """The Python source of lesson 02's code cell ``cell_id``."""
+    cells = json.loads(NOTEBOOK.read_text())["cells"]
+    return python_only("".join(next(c for c in cells if c.get("id") == cell_id)["source"]))
+
+
+PINNING_CELL, CLEANUP_CELL = "4d2a5c6b", "5fdf3965"  # section 9's pin_memory and clean-up cells
+
+
+def test_the_pinning_cell_on_a_device_that_is_neither_cpu_nor_cuda_says_why_it_skips(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """On MPS the batches are not "already where the step runs": the lesson pins for CUDA only."""
+    exec(lesson_cell(PINNING_CELL), {"device": torch.device("mps")})  # touches no MPS tensor
+    printed = capsys.readouterr().out
+    assert "CUDA only" in printed and "already where the step runs" not in printed
+
+
+def test_the_cleanup_cell_drops_the_loaders_and_can_run_twice() -> None:
+    namespace = {
+        "gc": gc,
+        "multiprocessing": multiprocessing,
+        "torch": torch,
+        "children_before": set(multiprocessing.active_children()),
+        "main_threads": torch.get_num_threads(),
+        "loaders": {"1 worker": LESSON.data_loader(EncodedImages(8, blur_passes=0), 1)},
+        "index_loader": LESSON.data_loader(EncodedImages(8, blur_passes=0), 1),
+        "host": torch.zeros(4),
+        "pinned": torch.zeros(4),
+    }
+    for loader in (*namespace["loaders"].values(), namespace["index_loader"]):
+        next(iter(loader))  # starts the persistent workers
+    del loader  # the namespace holds the only references, as the kernel's globals do
+    for _ in range(2):  # a learner may run it again
+        exec(lesson_cell(CLEANUP_CELL), namespace)
+    assert not {"loaders", "index_loader", "host", "pinned"} & namespace.keys()
 
 
 @pytest.mark.gpu
