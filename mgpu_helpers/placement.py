@@ -62,9 +62,8 @@ class Placement:
             kind = f"{self.n_gpus} GPU{'s' if self.n_gpus > 1 else ''}"
             if self.device_type == "cpu":
                 kind += ", not used"
-        where = ", ".join(self.devices)
-        virtual = " (virtual devices: the same hardware stands in for each)" if self.virtual else ""
-        return f"[{kind}] multi-device lessons use {where}{virtual}; backend {self.backend}"
+        virtual = " (virtual: one device stands in for each)" if self.virtual else ""
+        return f"[{kind}] lessons use {_device_list(self.devices)}{virtual}; backend {self.backend}"
 
     def describe(self) -> str:
         """The line a launch prints before it starts the ranks (lesson 04)."""
@@ -76,6 +75,16 @@ class Placement:
             f"launching {ranks} as {where}, backend {self.backend}, "
             f"{self.threads_per_rank} CPU thread(s) per rank"
         )
+
+
+def _device_list(devices: tuple[str, ...]) -> str:
+    """Devices as a short phrase that fits a printed line: ``cpu ×2``, ``cuda:0, cuda:1``,
+    ``cuda:0 … cuda:7 (8)``; used by :meth:`Placement.banner`."""
+    if len(set(devices)) == 1 and len(devices) > 1:
+        return f"{devices[0]} ×{len(devices)}"
+    if len(devices) > 4:
+        return f"{devices[0]} … {devices[-1]} ({len(devices)})"
+    return ", ".join(devices)
 
 
 def usable_cpus() -> int:

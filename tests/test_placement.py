@@ -10,7 +10,7 @@ import torch
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.placement import Placement, place, usable_cpus
 
-VIRTUAL = "(virtual devices: the same hardware stands in for each)"
+VIRTUAL = "(virtual: one device stands in for each)"
 
 
 @pytest.fixture
@@ -50,11 +50,12 @@ def test_place_decides_devices_and_backend_from_the_gpus(
     assert (p.world_size, p.device_type, p.devices) == (world_size, device_type, devices)
     assert (p.backend, p.share_gpus, p.n_gpus) == (backend, shared, n_gpus)
     assert p.virtual == (len(set(devices)) < world_size)
-    assert p.banner() == (
-        f"{kind} multi-device lessons use {', '.join(devices)}"
-        + (f" {VIRTUAL}" if p.virtual else "")
-        + f"; backend {backend}"
-    )
+    where = ", ".join(devices)
+    if len(set(devices)) == 1 and len(devices) > 1:
+        where = f"{devices[0]} ×{len(devices)}"
+    virtual = f" {VIRTUAL}" if p.virtual else ""
+    assert p.banner() == f"{kind} lessons use {where}{virtual}; backend {backend}"
+    assert len(p.banner()) <= 100  # a printed line within the output area
     assert bool(p.notes) == (n_gpus < world_size)  # fewer GPUs than ranks: it says so
 
 
@@ -67,7 +68,12 @@ def test_notes_say_what_stands_in(with_nccl) -> None:
 def test_cpu_by_request_on_a_gpu_machine(with_nccl) -> None:
     p = place(2, "cpu", n_gpus=2, cpu_count=4)
     assert (p.device_type, p.devices, p.backend, p.virtual) == ("cpu", ("cpu", "cpu"), "gloo", True)
-    assert p.banner().startswith("[2 GPUs, not used] multi-device lessons use cpu, cpu")
+    assert p.banner().startswith("[2 GPUs, not used] lessons use cpu ×2")
+
+
+def test_the_banner_of_many_gpus_fits_a_line(with_nccl) -> None:
+    p = place(8, n_gpus=8, cpu_count=64)
+    assert "cuda:0 … cuda:7 (8)" in p.banner() and len(p.banner()) <= 100
 
 
 def test_without_nccl_gpus_get_gloo_and_it_says_so(without_nccl) -> None:
