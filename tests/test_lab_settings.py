@@ -37,3 +37,11 @@ def test_no_news_popup_over_the_lessons() -> None:
     """JupyterLab's "fetch official Jupyter news?" pop-up covers the corner of cell outputs."""
     overrides = json.loads((ROOT / "jupyter" / "overrides.json").read_text())
     assert overrides["@jupyterlab/apputils-extension:notification"]["fetchNews"] == "false"
+
+
+def test_comms_do_not_ask_for_subshells() -> None:
+    """A widget's comm makes JupyterLab 4.5+ ask ipykernel 7 for a subshell, and that request's
+    "idle" shows as the kernel's state while the cell still runs (README, the kernel status)."""
+    overrides = json.loads((ROOT / "jupyter" / "overrides.json").read_text())
+    kernels = overrides["@jupyterlab/apputils-extension:kernels-settings"]
+    assert kernels["commsOverSubshells"] == "disabled"
