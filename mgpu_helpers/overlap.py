@@ -279,7 +279,13 @@ def plot_bucketed_backward(n_layers: int = 4, layers_per_bucket: int = 2) -> Fig
         start = max(ready, free)  # buckets go out in order, one after the other
         ax.barh(1, comm_cost, 0.6, start, color="lightgrey", hatch="//", edgecolor="black")
         ax.text(
-            start + comm_cost / 2, 1, f"all-reduce b{b}", ha="center", va="center", size="small"
+            start + comm_cost / 2,
+            1,
+            f"all-reduce b{b}",
+            ha="center",
+            va="center",
+            size="small",
+            bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.0},
         )
         ax.add_patch(
             FancyArrowPatch((ready, 1.7), (start + 0.05, 1.3), arrowstyle="->", mutation_scale=10)
@@ -327,11 +333,8 @@ def plot_step_timeline(
     ax = fig.subplots()
     for k, (label, start, end) in enumerate(phases):
         left, width = (start - t0) * 1e3, (end - start) * 1e3
-        ax.barh(
-            0, width, 0.7, left, color=f"C{k % 10}", alpha=0.8, edgecolor="black", linewidth=0.5
-        )
-        if span > 0 and width / span > 0.07:
-            ax.text(left + width / 2, 0, label, ha="center", va="center", size="small")
+        ax.barh(0, width, 0.7, left, color=f"C{k % 10}", alpha=0.8, edgecolor="black",
+                linewidth=0.5, label=label)  # fmt: skip
     pad = span * 0.01  # the duration labels start clear of any line at the bar's end
     for row, (_label, start, end) in enumerate(comm, 1):
         left, width = (start - t0) * 1e3, (end - start) * 1e3
@@ -344,7 +347,8 @@ def plot_step_timeline(
     ax.set_yticks(range(1 + len(comm)), ["compute", *(label for label, _, _ in comm)])
     if bound is not None:
         ax.axvline(bound * 1e3, color="C3", linestyle="--", label="bound with perfect overlap")
-        ax.legend(loc="lower right", fontsize="small")
+    # beside the axes: every compute piece named, however narrow, and nothing drawn over a bar
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     ax.invert_yaxis()
     ax.set_xlim(0, span * 1.15 or 1)
     ax.set_xlabel("time (ms)")

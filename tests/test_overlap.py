@@ -158,6 +158,8 @@ def test_the_timeline_keeps_duration_labels_clear_of_the_bars_and_draws_the_boun
     assert labels["< 0.1 ms"] > 30.0  # right of its bar's end (30 ms), not on it
     assert labels["20.0 ms"] > 40.0
     assert any(line.get_xdata()[0] == pytest.approx(60.0) for line in ax.lines)
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert sorted(legend) == ["Linear 2", "bound with perfect overlap", "forward", "optimizer"]
     assert len([p for p in ax.patches if isinstance(p, Rectangle)]) == 5
     with pytest.raises(ValueError, match="ends"):
         plot_step_timeline([("x", 1.0, 0.0)], comm)
