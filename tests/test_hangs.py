@@ -124,3 +124,26 @@ def test_the_course_report_folds_a_long_error_under_its_first_line() -> None:
     folded = _error_html("CellTimeoutError: ran out\ncell 3 was running:\n    | f()")
     assert folded.startswith("<details><summary><code>CellTimeoutError: ran out</code>")
     assert "<pre>cell 3 was running:\n    | f()</pre>" in folded
+
+
+def test_the_report_says_where_the_lessons_time_went() -> None:
+    """A cell may run out of time only because a pause before it used the lesson's deadline: the
+    longest cells and the longest pauses between cells, from nbclient's timing metadata."""
+    from mgpu_helpers.tooling.hangs import time_spent
+
+    def cell(start: str, end: str | None) -> dict:
+        timing = {"iopub.execute_input": f"2026-12-02T14:{start}Z"}
+        if end:
+            timing["shell.execute_reply"] = f"2026-12-02T14:{end}Z"
+        return {"metadata": {"execution": timing}}
+
+    cells = [
+        cell("23:00.000000", "23:05.000000"),  # 5 s in cell 0
+        {"metadata": {}},  # a markdown cell
+        cell("23:05.100000", "23:08.000000"),  # 2.9 s in cell 2
+        cell("27:28.000000", None),  # started 260 s after cell 2's reply, still running
+    ]
+    report = time_spent(cells).splitlines()
+    assert report[0].strip() == "260.0 s between cell 2's reply and cell 3's start"
+    assert report[1].strip() == "5.0 s in cell 0" and len(report) == 3
+    assert "no cell had finished" in time_spent([{"metadata": {}}])

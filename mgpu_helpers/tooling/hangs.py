@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "time_spent",
     "STACK_SIGNAL",
     "catches",
     "descendants",
@@ -197,3 +198,41 @@ def hang_report(
             parts.append("no launched process (rank) was alive")
     parts += [f"the kernel log's last lines ({kernel_log}):", _indent(log_tail)]
     return "\n".join(parts)
+
+
+def time_spent(cells: Sequence[Mapping], top: int = 3) -> str:
+    """Where a lesson's time went, from nbclient's timing metadata (issue 28).
+
+    A cell that runs out of time may only have got what earlier cells left of the lesson's
+    deadline, so the report lists the longest cells and the longest pauses *between* cells
+    (from one cell's reply to the next cell's start: time the kernel or the client spent
+    elsewhere), each with the cell's index.
+    """
+    from datetime import datetime
+
+    spans: list[tuple[float, str]] = []
+    last_end: tuple[int, datetime] | None = None
+    for i, cell in enumerate(cells):
+        timing = cell.get("metadata", {}).get("execution", {})
+        started, ended = timing.get("iopub.execute_input"), timing.get("shell.execute_reply")
+        if not started:
+            continue
+        start = datetime.fromisoformat(started.replace("Z", "+00:00"))
+        if last_end is not None:
+            gap = (start - last_end[1]).total_seconds()
+            spans.append(
+                (gap, f"{gap:.1f} s between cell {last_end[0]}'s reply and cell {i}'s start")
+            )
+        if ended:
+            end = datetime.fromisoformat(ended.replace("Z", "+00:00"))
+            spans.append(
+                (
+                    (end - start).total_seconds(),
+                    f"{(end - start).total_seconds():.1f} s in cell {i}",
+                )
+            )
+            last_end = (i, end)
+    if not spans:
+        return "    no cell had finished: no timings"
+    longest = sorted(spans, key=lambda span: span[0], reverse=True)[:top]
+    return _indent("\n".join(text for _, text in longest))

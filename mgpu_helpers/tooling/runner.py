@@ -21,7 +21,7 @@ import nbformat
 
 from mgpu_helpers.exercises import VERDICT_MIME
 from mgpu_helpers.record import RESULT_MIME
-from mgpu_helpers.tooling.hangs import hang_report, kernel_environ, tail
+from mgpu_helpers.tooling.hangs import hang_report, kernel_environ, tail, time_spent
 from mgpu_helpers.tooling.notebooks import (
     is_self_check_cell,
     parameter_names,
@@ -137,6 +137,8 @@ def _client(
             self.hang = f"it ran past its time ({timeout} s)\n" + hang_report(
                 pid, index, cell.source if cell is not None else "", kernel_log, kernel_stacks
             )
+            self.hang += "\nwhere the lesson's time went (the longest spans):\n"
+            self.hang += time_spent(self.nb.cells)
             if cell is None:  # a wait outside any cell (the kernel's first answer)
                 raise CellTimeoutError(f"the kernel did not answer within {timeout} s")
             return await super()._async_handle_timeout(timeout, cell)
