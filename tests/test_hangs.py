@@ -147,3 +147,38 @@ def test_the_report_says_where_the_lessons_time_went() -> None:
     assert report[0].strip() == "260.0 s between cell 2's reply and cell 3's start"
     assert report[1].strip() == "5.0 s in cell 0" and len(report) == 3
     assert "no cell had finished" in time_spent([{"metadata": {}}])
+
+
+def test_a_message_that_arrived_waits_at_most_one_poll_slice() -> None:
+    """Issue 28's hang: after a slider cell, nbclient's one long poll sometimes missed a reply
+    that had arrived and returned it only at its timeout (120 s, or the rest of the lesson).
+    The runner polls in slices, so a missed wake-up costs one slice."""
+    import asyncio
+    import time as clock
+    from queue import Empty
+
+    from mgpu_helpers.tooling import runner
+
+    arrived = clock.monotonic() + 0.2
+
+    async def missing_wakeups(timeout: float | None = None) -> dict:
+        """A poll that does not wake for a message arriving while it waits: it returns the
+        message only if it was there when the poll began, else raises Empty at its timeout."""
+        if clock.monotonic() >= arrived:
+            return {"msg": "reply"}
+        await asyncio.sleep(timeout if timeout is not None else 3600)
+        raise Empty
+
+    start = clock.monotonic()
+    got = asyncio.run(runner._in_slices(missing_wakeups)(timeout=30))
+    assert got == {"msg": "reply"}
+    assert clock.monotonic() - start < 0.2 + runner.POLL_SLICE + 0.5  # not the 30 s timeout
+
+    async def silent(timeout: float | None = None) -> dict:
+        await asyncio.sleep(timeout or 0)
+        raise Empty
+
+    start = clock.monotonic()
+    with pytest.raises(Empty):  # nothing ever arrives: Empty at the timeout, as before
+        asyncio.run(runner._in_slices(silent)(timeout=1.5))
+    assert 1.4 < clock.monotonic() - start < 3.0

@@ -116,6 +116,33 @@ def _collect(nb: nbformat.NotebookNode, run: LessonRun, *, grading: bool) -> Non
                 run.error = f"{out.get('ename', 'Error')}: {out.get('evalue', '')}"
 
 
+POLL_SLICE = 1.0  # seconds: the longest a message that has arrived can wait unnoticed
+
+
+def _in_slices(get_msg):
+    """``get_msg(timeout)`` that polls the socket afresh every ``POLL_SLICE`` seconds.
+
+    Issue 28: after a cell that opens ipywidgets comms, a reply that had already arrived
+    sometimes stayed unnoticed by one long ``socket.poll`` until its timeout ran out (a slider
+    cell's reply, then 120 s, or the rest of the lesson's deadline, before the next cell; the
+    same as nbclient issue 312). A fresh poll sees a waiting message at once, so a missed wake-up
+    costs at most one slice.
+    """
+    from queue import Empty
+
+    async def sliced(timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = POLL_SLICE if deadline is None else deadline - time.monotonic()
+            try:
+                return await get_msg(timeout=max(0.0, min(POLL_SLICE, left)))
+            except Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    return sliced
+
+
 def _client(
     nb: nbformat.NotebookNode, *, timeout_for, kernel_log: Path, kernel_stacks: Path, **kwargs
 ):
@@ -130,6 +157,12 @@ def _client(
 
     class _Client(NotebookClient):
         hang: str = ""
+
+        async def async_start_new_kernel_client(self):  # type: ignore[override]
+            kc = await super().async_start_new_kernel_client()
+            for channel in (kc.shell_channel, kc.iopub_channel):
+                channel.get_msg = _in_slices(channel.get_msg)
+            return kc
 
         async def _async_handle_timeout(self, timeout, cell=None):  # type: ignore[override]
             index = next((i for i, c in enumerate(self.nb.cells) if c is cell), None)
