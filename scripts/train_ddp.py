@@ -31,7 +31,12 @@ each new attempt resumes from the snapshot. ``--kill-at-step`` kills a rank on p
 
 Why the variable: by default ``torchrun`` keeps one key-value store for all attempts, and the
 restarted ranks may read the dead ranks' addresses from it and fail to connect ("Connection
-refused"; pytorch/pytorch#135712 and #167288). With it set, every attempt gets a fresh store.
+refused"; now and then, not on every restart: pytorch/pytorch#167288, open). With it set,
+every attempt gets a fresh store.
+
+Ctrl-C or SIGTERM to ``torchrun`` (``kill -TERM <agent>``, ``scancel``, SLURM's time limit):
+the agent passes the signal to every worker; the ranks agree to stop after the step in
+progress, rank 0 writes a snapshot, and the same command resumes from it.
 
 Under SLURM, ``scripts/slurm/`` holds an sbatch script that starts one ``torchrun`` per node.
 Started without ``torchrun`` (``python scripts/train_ddp.py``), the script says how to start it.
@@ -155,12 +160,15 @@ def train_ddp(env: DistEnv, cfg: LessonConfig, run: RunOptions) -> dict[str, Any
             sums[1] += (outputs.argmax(dim=1) == targets).sum()
             samples += len(targets)
             step += 1
-            # right after a step: every N steps, and after the epoch's last (before evaluating)
-            if snapshot_due(run, step, samples == sampler.num_samples):
+            stopping = stop_requested(device)  # Ctrl-C or SIGTERM on any rank: all stop here
+            # right after a step: every N steps, after the epoch's last (before evaluating), on a stop
+            if snapshot_due(run, step, samples == sampler.num_samples) or (stopping and run.snapshot):
                 state = {"epoch": epoch, "position": samples * env.world_size, "step": step}
                 save_snapshot(run.snapshot, env, settings(cfg, run), state, model.module,
                               optimizer, scaler, sums, samples, history)
                 written += 1
+            if stopping:
+                return stopped(env, run, step)
         dist.all_reduce(sums)  # the sums over all ranks, on every rank; waits for the slowest
         samples *= env.world_size  # the sampler gives every rank as many samples: the total
         loss_sum, correct = sums.tolist()  # waits for the device: one read per epoch
@@ -211,6 +219,31 @@ def snapshot_due(run: RunOptions, step: int, epoch_done: bool) -> bool:
     return epoch_done or (run.snapshot_every > 0 and step % run.snapshot_every == 0)
 
 
+# --- a clean stop: Ctrl-C or SIGTERM to torchrun, which passes it on to every worker --------------
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_stop_signal: list[int] = []  # the signal this rank received, if any
+
+
+def on_stop_signal(signum: int, _frame: object) -> None:
+    """The handler main() installs: note the signal; the training loop stops after its step."""
+    _stop_signal.append(signum)
+
+
+def stop_requested(device: torch.device) -> bool:
+    """Whether any rank received a stop signal: a collective, so every rank stops at one step."""
+    flag = torch.tensor([float(bool(_stop_signal))], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def stopped(env: DistEnv, run: RunOptions, step: int) -> dict[str, Any]:
+    """What a stopped rank returns (no result.json: the run is not over)."""
+    if env.is_main:
+        where = f"snapshot {run.snapshot} written" if run.snapshot else "no --snapshot: nothing kept"
+        print(f"stopped by a signal after step {step}: {where}; the same command resumes", flush=True)
+    return {"stopped_after_step": step}
+
+
 # --- precision and fault injection -------------------------------------------------------------
 def autocast_dtype(device: torch.device) -> torch.dtype:
     """Lesson 06c's choice: bf16 on CPUs and GPUs of compute capability 8.0+, else fp16.
@@ -253,7 +286,7 @@ def warn_if_store_shared() -> None:
         print(
             "warning: with --max-restarts, start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
             "; otherwise a restarted group may read the dead ranks' addresses from torchrun's "
-            "store and fail to connect (pytorch/pytorch#135712)"
+            "store and fail to connect, now and then (pytorch/pytorch#167288)"
         )
 
 
@@ -682,6 +715,8 @@ def main(argv: list[str] | None = None) -> None:
         kill_at_step=args.kill_at_step,
         kill_rank=env.world_size - 1 if args.kill_rank is None else args.kill_rank,
     )
+    for sig in STOP_SIGNALS:  # a stop from torchrun ends the run after a step, with a snapshot
+        signal.signal(sig, on_stop_signal)
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)  # before the group: NCCL must not pick cuda:0
     dist.init_process_group(

@@ -14,8 +14,12 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shutil
+import signal
+import subprocess
 import sys
+import time
 import types
 import uuid
 from pathlib import Path
@@ -25,7 +29,7 @@ import pytest
 import torch
 
 from mgpu_helpers.dist_env import DistEnv
-from mgpu_helpers.jobs import JobResult, free_port, run_job, run_jobs
+from mgpu_helpers.jobs import JobResult, free_port, run_job, run_jobs, stop_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "train_ddp.py"
@@ -145,6 +149,40 @@ def test_partial_snapshot_falls_back_to_prev_without_a_crash_loop(runs):
     assert result["resumed_from"]["path"] == str(folder / "snap.pt.prev")
     assert (folder / "snap.pt.corrupt").exists() and not (folder / "snap.pt.tmp").exists()
     assert differing(runs["ref"], folder) == []
+
+
+def test_sigterm_to_torchrun_stops_after_a_step_with_a_snapshot_and_resumes_bitwise(runs):
+    """SIGTERM to the agent (a clean stop: scancel, SLURM's time limit, kill -TERM): torchrun
+    passes it to every worker, the ranks agree on one step, rank 0 snapshots it, no result.json
+    is written; the same command then resumes and ends with the reference's weights."""
+    folder = runs["tmp"] / "sigterm"
+    cmd = torchrun("--epochs", "2", "--snapshot", str(folder / "snap.pt"), "--snapshot-every", "5",
+                   "--out", str(folder))  # fmt: skip
+    log = runs["tmp"] / "sigterm.log"
+    with open(log, "wb") as out:
+        agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                 env={**os.environ, **ENV, "PYTHONUNBUFFERED": "1"},
+                                 start_new_session=True)  # fmt: skip
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while not (folder / "snap.pt").exists():  # step 5 is done: training is under way
+                assert agent.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+            agent.send_signal(signal.SIGTERM)
+            agent.wait(timeout=60)  # torchrun gives its workers 30 s before SIGKILL
+        finally:
+            stop_tree(agent)
+    text = log.read_text()
+    stops = re.findall(r"stopped by a signal after step (\d+): snapshot", text)
+    assert len(stops) == 1, text
+    snap = torch.load(folder / "snap.pt", weights_only=True)
+    assert snap["step"] == int(stops[0]) and 5 <= snap["step"] < 32, text
+    assert not (folder / "result.json").exists(), "a stopped run wrote a result"
+    resumed = run(cmd)
+    result = result_of(folder, resumed)
+    assert result["resumed_from"]["step"] == snap["step"] and result["steps"] == 32
+    assert differing(runs["ref"], folder) == []
+    assert result["history"] == result_of(runs["ref"], runs["jobs"][0])["history"]
 
 
 def test_augmented_data_resumes_bitwise(tmp_path_factory):
