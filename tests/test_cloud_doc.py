@@ -207,6 +207,8 @@ def test_slurm_rehearsal_trains_on_two_nodes(
 # --- the batch script alone: a stand-in Python, so no torch starts -----------------------------
 
 FAKE_PYTHON = """#!/usr/bin/env bash
+# torchrun passes SIGTERM to its workers, which snapshot and exit (scripts/train_ddp.py)
+trap 'echo "fake python: SIGTERM on node ${SLURM_NODEID:-?}: snapshot written"; exit 0' TERM
 echo "fake python: OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset} NCCL_DEBUG=${NCCL_DEBUG:-unset} $*"
 [ "${SLURM_NODEID:-}" = "${FAIL_NODE:-none}" ] && exit 5
 for _ in $(seq 400); do [ -e "$STOP_FILE" ] && exit 0; sleep 0.05; done
@@ -254,8 +256,9 @@ def _wait_for(lines: queue.Queue[str], seen: list[str], test: Callable[[], bool]
 @pytest.mark.parametrize("refused", [False, True], ids=["requeued", "requeue-refused"])
 def test_sbatch_command_line_and_requeue_on_usr1(tmp_path: Path, refused: bool) -> None:
     """The torchrun line it builds from SLURM's variables, and USR1 (the --signal warning before
-    the time limit) making it ask SLURM to requeue the job while it keeps waiting for srun; a
-    requeue the cluster refuses must not end the batch shell (set -e) and its step with it."""
+    the time limit): SIGTERM reaches every node's training first (rank 0 snapshots, the ranks
+    exit), and only once the step has ended does the script ask SLURM to requeue the job; a
+    requeue the cluster refuses is said, and the batch shell ends normally."""
     env = _submit_env(tmp_path, FAKE_REQUEUE_FAILS="1" if refused else "0")
     proc = subprocess.Popen(["bash", str(SBATCH)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -266,13 +269,12 @@ def test_sbatch_command_line_and_requeue_on_usr1(tmp_path: Path, refused: bool) 
     seen: list[str] = []
     log = tmp_path / "slurm.log"
     try:
-        both = lambda: sum("fake python:" in line for line in seen) == 2  # noqa: E731
+        both = lambda: sum("fake python: OMP" in line for line in seen) == 2  # noqa: E731
         _wait_for(lines, seen, both, "output from both nodes' stand-in Python")
         proc.send_signal(signal.SIGUSR1)
-        requeued = lambda: log.exists() and "requeue 4242" in log.read_text()  # noqa: E731
-        _wait_for(lines, seen, requeued, "'scontrol requeue 4242'")
-        (tmp_path / "stop").touch()  # the job's steps end; the script must have kept waiting
-        assert proc.wait(timeout=30) == 0
+        ended = lambda: any(line.startswith("srun ended") for line in seen)  # noqa: E731
+        _wait_for(lines, seen, ended, "the end of srun after SIGTERM")
+        assert proc.wait(timeout=30) == 0, "\n".join(seen)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -289,10 +291,53 @@ def test_sbatch_command_line_and_requeue_on_usr1(tmp_path: Path, refused: bool) 
         f"{run}/snapshot.pt --snapshot-every 0 --out {run} --epochs 2 --amp"
     )
     assert f"0: {expected}" in seen and f"1: {expected}" in seen, text
-    assert "time limit near: requeueing job 4242" in text
+    order = [next(i for i, line in enumerate(seen) if want in line) for want in (
+        "time limit near: stopping the training", "0: fake python: SIGTERM on node 0",
+        "1: fake python: SIGTERM on node 1", "srun ended with status 0",
+        "requeueing job 4242; it resumes from")]  # fmt: skip
+    assert order[0] < min(order[1:3]) and max(order[1:3]) < order[3] < order[4], text
+    assert "requeue 4242" in log.read_text(), "the script did not ask SLURM to requeue"
     assert ("scontrol requeue 4242 failed" in text) == refused, text
-    assert "srun ended with status 0" in text
     assert run.is_dir()
+
+
+def _fake_getent(tmp_path: Path, answer: str) -> str:
+    """A PATH whose getent answers every name with ``answer`` (a line of getent ahostsv4)."""
+    folder = tmp_path / "getent-bin"
+    folder.mkdir()
+    tool = folder / "getent"
+    tool.write_text(f"#!/usr/bin/env bash\n[ -n '{answer}' ] && echo '{answer}' || exit 2\n")
+    tool.chmod(0o755)
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("answer", "endpoint", "message"),
+    [
+        ("10.1.2.3      STREAM node001", "10.1.2.3:29742", ""),
+        ("127.0.1.1     STREAM node001", "", "resolves to 127.0.1.1, a loopback address"),
+        ("", "", "cannot resolve the first node's name 'node001'"),
+    ],
+    ids=["resolved", "loopback-refused", "unresolved"],
+)
+def test_sbatch_resolves_the_first_nodes_address(
+    tmp_path: Path, answer: str, endpoint: str, message: str
+) -> None:
+    """The rendezvous address is the first node's name resolved (getent), never a name the
+    other nodes may not reach, nor a loopback address; RDZV_HOST overrides it."""
+    env = _submit_env(tmp_path, FAKE_NODES="node001 node002", STOP_FILE=str(tmp_path / "go"))
+    env["PATH"] = f"{_fake_getent(tmp_path, answer)}{os.pathsep}{env['PATH']}"
+    (tmp_path / "go").touch()  # the stand-in Pythons end at once
+    result = run_clean(["bash", str(SBATCH)], env, timeout=60, cwd=tmp_path)
+    if endpoint:
+        assert result.returncode == 0, result.output
+        assert f"--rdzv-endpoint={endpoint} " in result.output, result.output
+    else:
+        assert result.returncode == 2 and message in result.output, result.output
+        assert "RDZV_HOST" in result.output
+        env["RDZV_HOST"] = "10.9.9.9"
+        given = run_clean(["bash", str(SBATCH)], env, timeout=60, cwd=tmp_path)
+        assert given.returncode == 0 and "--rdzv-endpoint=10.9.9.9:29742 " in given.output
 
 
 def test_a_failing_node_stops_the_job(tmp_path: Path) -> None:
