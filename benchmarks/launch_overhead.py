@@ -1,6 +1,6 @@
 """How long does a launch take, against bare fork (the ideal) and bare spawn? (target <= 2x fork)
 
-Lesson 04 starts its ranks with `mgpu_helpers.launch.launch`, which adds to PyTorch's
+Lesson 04 (both parts) starts its ranks with `mgpu_helpers.launch.launch`, which adds to PyTorch's
 `torch.multiprocessing.start_processes` what a notebook needs: the worker sent by value, a
 rendezvous store on a free port, output streamed back, results returned, failure attribution and
 cleanup. This script measures what that costs against two bare runs of the same work:

@@ -45,6 +45,6 @@ os.environ["JUPYTER_PATH"] = os.pathsep.join(
 )
 
 c.Execute.kernel_name = KERNEL
-# Quick-mode cells take seconds; lesson 04's launches up to a minute on a busy 2-core machine.
+# Quick-mode cells take seconds; lesson 04a's mp.spawn up to a minute on a busy 2-core machine.
 # A hung answer (a collective one rank never joins) still ends, with no points for that cell.
 c.Execute.timeout = 300

@@ -99,7 +99,7 @@ class LessonConfig:
     data_dir: str | os.PathLike[str] | None = None
     progress: bool = True  # show tqdm progress bars
     # Random crops and flips of CIFAR-10's training images. False for a run that must match
-    # another run sample for sample (lesson 04's DDP-vs-one-device proof): each process draws
+    # another run sample for sample (lesson 04b's DDP-vs-one-device comparison): each process draws
     # the augmentation from its own random generator, so two runs would see different images.
     augment: bool = True
 

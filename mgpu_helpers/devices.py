@@ -230,12 +230,16 @@ def sanity_check_devices(
     return tuple(DeviceCheck(**row) for row in rows)
 
 
-def full_float32() -> None:
+def full_float32(deterministic: bool = False) -> None:
     """Switch off TF32 in this process, for GPU results compared with the CPU (lessons 03-05).
 
     cuDNN runs float32 convolutions in TF32 by default (10-bit mantissas): too coarse for checks
-    against the CPU. A function, so a worker calling it stays picklable by value (the
-    ``torch.backends.cudnn`` module is not).
+    against the CPU. ``deterministic=True`` also makes cuDNN pick the same algorithm every time,
+    with no autotuning (lesson 04b compares two runs on GPUs). A function, so a worker calling it
+    stays picklable by value (the ``torch.backends.cudnn`` module is not).
     """
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
+    if deterministic:
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False

@@ -1,4 +1,4 @@
-"""Who am I in a distributed run: the one record every worker and script uses (lesson 04).
+"""Who am I in a distributed run: the one record every worker and script uses (lesson 04a).
 
 Under ``torchrun``, each rank reads ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and
 ``LOCAL_WORLD_SIZE`` and asks :func:`~mgpu_helpers.placement.place` for its device and backend,

@@ -1,4 +1,4 @@
-"""Start a distributed run from a notebook, a script or a test (lesson 04).
+"""Start a distributed run from a notebook, a script or a test (lesson 04a).
 
 ``launch(worker, placement)`` runs ``worker(env, *args)`` on every rank of a
 :class:`~mgpu_helpers.placement.Placement` (or ``launch(worker, n, device=...)``) and returns
@@ -72,7 +72,7 @@ _LOST_PEER = (
 
 
 class WorkerError(RuntimeError):
-    """A rank failed: which one failed first, how, and what the other ranks saw (lesson 04).
+    """A rank failed: which one failed first, how, and what the other ranks saw (lesson 04a).
 
     ``rank`` failed first; ``details`` is its traceback (or, for a process that died without
     one, how it ended and the last lines of its log); ``how``: "raised an exception", "exited
@@ -120,7 +120,7 @@ def launch(
     of ranks, then placed with ``place(n, device or "auto", share_gpus=..., backend=...)``.
     ``timeout``: seconds a collective may wait before it fails. With
     ``init_process_group=False`` the worker joins the group itself
-    (``dist.init_process_group(env.backend)``, lesson 04) and sets its own timeout there.
+    (``dist.init_process_group(env.backend)``, lesson 04a) and sets its own timeout there.
     Logs go to ``log_dir`` (default: a fresh folder under the temp directory's ``mgpu-runs``,
     which keeps the latest 20 runs). A worker that is not callable, or that cannot be pickled
     with its arguments, is refused (ValueError) before any process starts.
@@ -253,7 +253,7 @@ def _start_server() -> None:
 
 
 def start_fork_server() -> None:
-    """Start the launcher's fork server in a background thread, once (lesson 04).
+    """Start the launcher's fork server in a background thread, once (lesson 04a).
 
     A Jupyter kernel does this when it imports this module, so the server imports torch while
     the learner reads; the first launch then waits only for what is left of that. Elsewhere

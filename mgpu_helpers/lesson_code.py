@@ -1,7 +1,7 @@
 """Code written in the lessons, read from their notebooks (lessons 03 and later).
 
-Later lessons show it as a diff (lesson 04: its DDP worker against lesson 02's loop; lesson 07:
-the course's ``torchrun`` script against lesson 04's worker, through :func:`script_function`),
+Later lessons show it as a diff (lesson 04b: its DDP worker against lesson 02's loop; lesson 07:
+the course's ``torchrun`` script against lesson 04b's worker, through :func:`script_function`),
 and tests and benchmarks run it (:func:`load_lesson_code`), so no copy exists to drift from the
 lesson. Standard library only: the GPU machine runs the tests without Jupyter.
 """
@@ -154,7 +154,7 @@ def _lookup(
 
 
 def lesson_function(lesson: str, name: str, folder: str | Path | None = None) -> str:
-    """The source of the function ``name`` in ``lesson``'s notebook (lesson 04's diff)."""
+    """The source of the function ``name`` in ``lesson``'s notebook (lesson 04b's diff)."""
     return _lookup(lesson, folder, [name], "function")[1][name].source
 
 
@@ -162,7 +162,7 @@ def script_function(path: str | Path, name: str) -> str:
     """The source of the top-level function ``name`` in the Python file ``path`` (lesson 07).
 
     Read with ``ast``, not imported, so the file's imports and side effects never run: lesson 07
-    diffs ``scripts/train_ddp.py``'s ``train_ddp`` against lesson 04's worker this way. Its
+    diffs ``scripts/train_ddp.py``'s ``train_ddp`` against lesson 04b's worker this way. Its
     decorators are included; ValueError names the functions the file defines if ``name`` is
     not one of them.
     """
@@ -251,7 +251,7 @@ def show_diff(
     labels: tuple[str, str] = ("before", "after"),
     context: int | None = None,
 ) -> Diff:
-    """The unified diff from ``before`` to ``after`` (lesson 04: its DDP worker vs lesson 02).
+    """The unified diff from ``before`` to ``after`` (lesson 04b: its DDP worker vs lesson 02).
 
     ``context``: unchanged lines around each change (None: all, the whole function reads on).
     """

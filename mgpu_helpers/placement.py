@@ -66,7 +66,7 @@ class Placement:
         return f"[{kind}] lessons use {_device_list(self.devices)}{virtual}; backend {self.backend}"
 
     def describe(self) -> str:
-        """The line a launch prints before it starts the ranks (lesson 04)."""
+        """The line a launch prints before it starts the ranks (lesson 04a)."""
         where = "CPU processes" if self.device_type == "cpu" else "GPUs"
         if self.device_type == "cuda" and self.share_gpus:
             where = "ranks sharing GPUs"

@@ -204,7 +204,8 @@ def fit(
 ) -> History:
     """Train for ``epochs`` and evaluate after each; returns the :class:`History`.
 
-    ``on_epoch_start(epoch)`` runs before each epoch (lesson 04 passes its sampler's ``set_epoch``).
+    ``on_epoch_start(epoch)`` runs before each epoch (lesson 04b passes its sampler's
+    ``set_epoch``).
     """
     if not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs must be a whole number >= 1, got {epochs!r}")

@@ -27,7 +27,7 @@ a plain text bar (and the report says so).
 
 How a script run stays true to the notebook. The cells run in a fresh ``__main__`` module
 that, like a kernel's, has no file behind it: a function written in a cell is pickled by
-reference to ``__main__``, which a spawned child process cannot import, so lesson 04's naive
+reference to ``__main__``, which a spawned child process cannot import, so lesson 04a's naive
 ``mp.spawn`` fails exactly as it does in JupyterLab, and the course's ``launch`` sends such
 workers by value (cloudpickle), as from a notebook. (Run as a plain ``python lesson.py``, a
 script's ``__main__`` is its file, which children re-run; the runner avoids that on purpose.)
@@ -111,7 +111,7 @@ LIBRARIES = {
     "matplotlib": "every lesson's figures (mgpu_helpers.plots)",
     "sklearn": "the default 'digits' data set (the lessons that train)",
     "tqdm": "progress bars: the script mode falls back to a plain text bar",
-    "cloudpickle": "workers written in a cell, sent to the ranks (lesson 04 imports it)",
+    "cloudpickle": "workers written in a cell, sent to the ranks (lesson 04a imports it)",
     "torchvision": "only DATASET='cifar10' or 'fashionmnist'",
     **{name: "kernel mode (the script mode needs none of it)" for name in JUPYTER_STACK},
     "IPython": "nothing here: the script mode's kernel shim stands in for it",

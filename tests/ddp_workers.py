@@ -1,7 +1,7 @@
 """The tests' own DDP workers for lesson 04's mechanisms (the lesson writes its own in its cells).
 
-The step-by-step proofs (sections 4-5), the sampler demonstration (section 3) and the throughput
-measurement (section 8). Section 6's evaluation and training worker are not copied here:
+The step-by-step proofs (part 04a, sections 3-5) and the throughput measurement (part 04b,
+section 5). Part 04b's evaluation, training worker and comparison are not copied here:
 :data:`LESSON_04` holds the lesson's own, read from the notebook with ``load_lesson_code``.
 """
 
@@ -25,34 +25,28 @@ from mgpu_helpers.config import LessonConfig
 from mgpu_helpers.data import build_datasets, make_loader
 from mgpu_helpers.devices import full_float32
 from mgpu_helpers.dist_env import DistEnv
-from mgpu_helpers.lesson_code import load_lesson_code
+from mgpu_helpers.lesson_code import lesson_imports, load_lesson_code
 from mgpu_helpers.models import build_model, resnet_cifar, small_cnn
 from mgpu_helpers.timing import synchronize
-from mgpu_helpers.train import EpochResult, History, seed_everything
+from mgpu_helpers.train import seed_everything
 
-# Lesson 04's section 6 evaluation and worker, as its cells write them; the names are the
-# lesson's imports (train_ddp reads the lesson's evaluate_distributed, loaded with it).
+# Lesson 04b's evaluation, worker and comparison, as its cells write them, with the lesson's own
+# imports (train_ddp reads the lesson's evaluate_distributed, loaded with it).
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 LESSON_04 = load_lesson_code(
-    "04",
-    ["real_samples", "evaluate_distributed", "train_ddp"],
-    {
-        "DDP": DDP,
-        "DataLoader": DataLoader,
-        "DistributedSampler": DistributedSampler,
-        "EpochResult": EpochResult,
-        "F": F,
-        "History": History,
-        "build_datasets": build_datasets,
-        "build_model": build_model,
-        "dist": dist,
-        "make_loader": make_loader,
-        "nn": nn,
-        "seed_everything": seed_everything,
-        "synchronize": synchronize,
-        "time": time,
-        "torch": torch,
-    },
-    folder=Path(__file__).resolve().parents[1] / "notebooks",
+    "04b",
+    [
+        "real_samples",
+        "evaluate_distributed",
+        "train_ddp",
+        "train_ddp_exactly",
+        "comparison_config",
+        "one_device_run",
+        "CHECK_STEPS",
+        "EXACT",
+    ],
+    {**lesson_imports("04b", NOTEBOOKS), "on_gpu": False},  # EXACT: the CPU's tolerance
+    folder=NOTEBOOKS,
 )
 
 

@@ -1,7 +1,9 @@
-"""Lesson 04, sections 5.1-5.2: BatchNorm breaks "N ranks x b = one process x N*b";
+"""Lesson 04a, sections 5.1-5.2: BatchNorm breaks "N ranks x b = one process x N*b";
 SyncBatchNorm restores it, on GPU modules only."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +11,9 @@ from ddp_workers import ddp_step_worker, has_batch_norm, reference_steps, step_m
 
 from mgpu_helpers.devices import gpu_count
 from mgpu_helpers.launch import WorkerError, launch
+from mgpu_helpers.lesson_code import lesson_imports, load_lesson_code
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
 def test_step_models_with_and_without_batch_norm() -> None:
@@ -80,3 +85,17 @@ def test_sync_batch_norm_under_ddp_equals_one_device_on_the_whole_batch() -> Non
     )
     pairs = zip(plain[0]["first_grads"], reference["first_grads"], strict=True)
     assert max((g - g_ref).abs().max().item() for g, g_ref in pairs) > 1e-3
+
+
+def test_the_lesson_shows_ddp_broadcasting_buffers_at_the_very_first_forward() -> None:
+    """Issue 23, item 3: DDP broadcasts rank 0's buffers at the first forward too, not only at
+    a forward that follows a training forward. The lesson's own ddp_steps gives each rank its
+    own running mean after the wrap; as the first forward starts, every rank holds rank 0's."""
+    names = ["fixed_batches", "step_model", "first_batch_norm", "ddp_steps"]
+    lesson = load_lesson_code("04a", names, lesson_imports("04a", NOTEBOOKS), NOTEBOOKS)
+    results = launch(lesson.ddp_steps, 2, 2, 4, 0, "resnet", device="cpu", echo=False)
+    own = [r["bn_own_start"] for r in results]
+    assert not torch.equal(own[0], own[1]), "the ranks should start the run with their own buffers"
+    for r in results:
+        torch.testing.assert_close(r["bn_entering"][0], own[0], rtol=0, atol=0)
+        torch.testing.assert_close(r["bn_entering"][1], results[0]["bn_leaving"][0], rtol=0, atol=0)

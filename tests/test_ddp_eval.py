@@ -1,4 +1,4 @@
-"""Lesson 04, section 6: reduced evaluation counts every test sample exactly once, whatever
+"""Lesson 04b, section 1: reduced evaluation counts every test sample exactly once, whatever
 the test-set size and the world size (the sampler's padding is left out).
 
 ``real_samples`` and ``evaluate_distributed`` are the lesson's own, read from its notebook
@@ -13,6 +13,8 @@ import torch.distributed as dist
 from ddp_workers import LESSON_04, wrap
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from mgpu_helpers.config import LessonConfig, apply_quick
+from mgpu_helpers.data import build_datasets
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.launch import launch
 from mgpu_helpers.models import small_cnn
@@ -79,3 +81,32 @@ def test_evaluate_distributed_refuses_loaders_it_cannot_make_exact() -> None:
     dropping = DistributedSampler(data, 2, 0, shuffle=False, drop_last=True)
     with pytest.raises(ValueError, match="drop_last=False"):
         evaluate_distributed(_model(), DataLoader(data, batch_size=2, sampler=dropping), "cpu")
+
+
+def lesson_test_set_worker(env: DistEnv, cfg: LessonConfig) -> dict:
+    """Exact evaluation of the small CNN on the test set of the lesson's comparison."""
+    _, test_set, _ = build_datasets(cfg)
+    sampler = DistributedSampler(test_set, env.world_size, env.rank, shuffle=False)
+    loader = DataLoader(test_set, batch_size=256, sampler=sampler)
+    exact = evaluate_distributed(wrap(_model(), env), loader, env.device)
+    return {"read": len(sampler), "real": real_samples(sampler), "counted": exact.samples}
+
+
+def test_the_lessons_comparison_never_has_a_test_set_that_divides_by_the_world_size() -> None:
+    """Issue 23, item 2: the quick test set (256) divided by 2 ranks, so the lesson's own run
+    never took the padding path it teaches. The comparison's test set now never divides."""
+    for base in (apply_quick(LessonConfig(), True), LessonConfig()):  # quick and full mode
+        for world_size in (2, 3, 4, 8):
+            run_cfg = LESSON_04.comparison_config(base, world_size)
+            train_set, test_set, _ = build_datasets(run_cfg)
+            assert len(test_set) % world_size != 0, f"{world_size} ranks: evaluation would not pad"
+            assert len(train_set) % world_size == 0, "the sampler would repeat training samples"
+
+
+def test_the_lessons_quick_run_pads_its_test_set_and_counts_each_sample_once() -> None:
+    run_cfg = LESSON_04.comparison_config(apply_quick(LessonConfig(), True), 2)
+    n = len(build_datasets(run_cfg)[1])
+    ranks = launch(lesson_test_set_worker, 2, run_cfg, device="cpu", echo=False)
+    assert sum(r["read"] for r in ranks) > n, "no rank read padding"
+    assert sum(r["real"] for r in ranks) == n
+    assert all(r["counted"] == n for r in ranks)

@@ -92,3 +92,20 @@ def test_full_float32_switches_tf32_off() -> None:
         assert matmul.allow_tf32 is False
     finally:
         cudnn.allow_tf32, matmul.allow_tf32 = before
+
+
+def test_full_float32_can_make_cudnn_deterministic() -> None:
+    import torch
+
+    from mgpu_helpers.devices import full_float32
+
+    cudnn = torch.backends.cudnn
+    before = (cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark)
+    try:
+        cudnn.deterministic, cudnn.benchmark = False, True
+        full_float32()  # TF32 only: cuDNN's algorithm choice left alone
+        assert (cudnn.deterministic, cudnn.benchmark) == (False, True)
+        full_float32(deterministic=True)
+        assert (cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark) == (False, True, False)
+    finally:
+        cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark = before

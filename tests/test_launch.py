@@ -1,4 +1,4 @@
-"""The notebook launcher (lesson 04), with real processes over gloo on the CPU."""
+"""The notebook launcher (lesson 04a), with real processes over gloo on the CPU."""
 
 from __future__ import annotations
 
@@ -295,7 +295,7 @@ def test_printer_keeps_lines_whole_and_lets_progress_bars_redraw(capsys) -> None
 
 
 def test_rank0_progress_bar_is_drawn_on_stdout_without_empty_strips(capsys) -> None:
-    """Lesson 04's training launch: a tqdm bar per epoch (leave=False), then a printed line.
+    """Lesson 04b's training launch: a tqdm bar per epoch (leave=False), then a printed line.
 
     JupyterLab shows stderr in red; a bar erased there left empty red strips between the lines.
     """

@@ -1,4 +1,4 @@
-"""Fault drills for the launcher (lesson 04): who failed first, last words, tracebacks.
+"""Fault drills for the launcher (lesson 04a): who failed first, last words, tracebacks.
 
 Each scenario runs several times in a row: an attribution that depends on which message happens
 to reach the parent first would show here as a failure in some of the runs.

@@ -217,7 +217,7 @@ def run_lesson(
         return max(1, min(cell_timeout, math.ceil(left)))
 
     # What the kernel and its child processes print outside the notebook (their own warnings,
-    # the tracebacks of lesson 04's deliberate mp.spawn failure) goes to a log, not the console.
+    # the tracebacks of lesson 04a's deliberate mp.spawn failure) goes to a log, not the console.
     kernel_log = out_dir / f"{path.stem}.kernel.log"
     kernel_stacks = out_dir / f"{path.stem}.kernel-stacks.txt"  # written only on a hang
     client = _client(
