@@ -70,12 +70,12 @@ from mgpu_helpers.placement import place, usable_cpus  # noqa: E402
 from mgpu_helpers.timing import synchronize  # noqa: E402
 from mgpu_helpers.util import write_json  # noqa: E402
 
-# The split model and the GPipe step are lesson 05's (sections 1.3 and 3.1), read from its
+# The split model and the GPipe step are lesson 05a's (sections 1.3 and 3.1), read from its
 # notebook and run as its cells write them: the lesson is the one place this code lives. The
 # namespace holds the names that code uses (the lesson's imports).
 NAMES = ("SplitModel", "cut", "Streams", "copy_streams", "send", "receive", "gpipe_step")
 lesson = load_lesson_code(
-    "05",
+    "05a",
     NAMES,
     {
         "Event": Event,

@@ -24,6 +24,7 @@ from .config import DATASETS, LessonConfig, resolve_data_dir
 from .placement import usable_cpus
 
 __all__ = [
+    "INFO",
     "DataInfo",
     "EncodedImages",
     "build_datasets",

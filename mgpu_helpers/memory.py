@@ -10,7 +10,9 @@ exact on any hardware; only :func:`cuda_memory` needs a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -18,13 +20,16 @@ from torch import Tensor, nn
 
 __all__ = [
     "CudaMemory",
+    "LiveActivations",
     "cuda_memory",
     "local_tensor",
+    "measured_training_memory",
     "memory_by_device",
     "memory_by_stage",
     "optimizer_state_bytes",
     "saved_activation_bytes",
     "tensor_bytes",
+    "watch_activations",
 ]
 
 _KINDS = ("parameters", "gradients", "optimizer", "activations")
@@ -194,3 +199,137 @@ def _saved_by_stage(
             for b, saved in buffers:  # BatchNorm's running statistics, as they were
                 b.copy_(saved)
     return per_stage
+
+
+class LiveActivations:
+    """Bytes one stage's autograd holds for backward now, and the most it held (lesson 05b).
+
+    Every tensor autograd saves during a watched forward counts from then until autograd lets it
+    go (after that micro-batch's backward); a storage saved twice counts once. Parameters,
+    buffers and ``exclude`` (the input batch, in memory anyway) do not count.
+    """
+
+    def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
+        self._excluded = {_storage(t)[:2] for t in exclude}
+        self._held: dict[tuple[str, int], list[int]] = {}  # storage -> [holders, bytes]
+        self._lock = threading.Lock()  # GPU backwards release tensors on autograd's threads
+        self.live = 0  # bytes held now
+        self.peak = 0  # the most bytes held at once
+
+    def pack(self, t: Tensor) -> object:
+        """The saved-tensor hook: count ``t``'s storage until the returned holder is freed."""
+        device, address, size = _storage(t)
+        key = (device, address)
+        if key in self._excluded or not size:
+            return t
+        with self._lock:
+            entry = self._held.setdefault(key, [0, size])
+            if entry[0] == 0:
+                self.live += size
+                self.peak = max(self.peak, self.live)
+            entry[0] += 1
+        return _Held(self, key, t)
+
+    def release(self, key: tuple[str, int]) -> None:
+        """One holder of ``key`` is gone; its bytes stop counting with the last one."""
+        with self._lock:
+            entry = self._held[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.live -= entry[1]
+                del self._held[key]
+
+
+class _Held:
+    """A saved tensor as autograd keeps it: freeing it tells the meter."""
+
+    def __init__(self, meter: LiveActivations, key: tuple[str, int], t: Tensor) -> None:
+        self.meter, self.key, self.tensor = meter, key, t
+
+    def __del__(self) -> None:
+        self.meter.release(self.key)
+
+
+def _unpack(saved: object) -> Tensor:
+    return saved.tensor if isinstance(saved, _Held) else saved  # type: ignore[return-value]
+
+
+@contextmanager
+def watch_activations(
+    stages: Sequence[nn.Module], exclude: Iterable[Tensor] = ()
+) -> Iterator[list[LiveActivations]]:
+    """One :class:`LiveActivations` per stage, counting during every forward of that stage.
+
+    Lesson 05b compares GPipe's and 1F1B's peaks on the same split. The hooks go on each stage's
+    forward, in whatever thread runs it, and come off when the block ends.
+    """
+    exclude = list(exclude)
+    meters, handles = [], []
+    for stage in stages:
+        meter = LiveActivations([*exclude, *stage.parameters(), *stage.buffers()])
+        stack = threading.local()  # each thread's open hook contexts
+
+        def before(_module: nn.Module, _args: object, meter=meter, stack=stack) -> None:
+            hooks = torch.autograd.graph.saved_tensors_hooks(meter.pack, _unpack)
+            hooks.__enter__()
+            stack.__dict__.setdefault("open", []).append(hooks)
+
+        def after(_module: nn.Module, _args: object, _out: object, stack=stack) -> None:
+            stack.open.pop().__exit__(None, None, None)
+
+        handles.append(stage.register_forward_pre_hook(before))
+        handles.append(stage.register_forward_hook(after, always_call=True))
+        meters.append(meter)
+    try:
+        yield meters
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def measured_training_memory(
+    build: Callable[[], nn.Module], devices: Sequence[torch.device], x: Tensor, y: Tensor
+) -> dict[str, dict[str, int]]:
+    """Bytes the allocator holds on each GPU in ``devices`` while ``build()``'s model trains.
+
+    Lesson 05a, section 2.2: parameters after ``build()``, gradients and SGD momentum after a
+    first step, the activations left by the second step's forward (its output not counted) and
+    backward's temporaries up to that step's peak. Differences remove what was there before.
+    """
+    gpus = sorted({torch.device(d) for d in devices if torch.device(d).type == "cuda"}, key=str)
+    if not gpus:
+        raise ValueError(f"measured_training_memory needs a GPU in devices, got {list(devices)}")
+
+    def used() -> dict[torch.device, int]:
+        return {d: torch.cuda.memory_allocated(d) for d in gpus}
+
+    x = x.to(devices[0])
+    base = used()
+    model = build()  # the model arrives on its device(s) here
+    after_params = used()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    before, after_forward = after_params, after_params
+    for step in range(2):
+        if step == 1:  # measure the second step, when all state already exists
+            before = used()
+            for d in gpus:
+                torch.cuda.reset_peak_memory_stats(d)
+        opt.zero_grad(set_to_none=False)  # keep the gradient tensors, as a training loop does
+        out = model(x)
+        if step == 1:  # what the forward left behind, less the output itself
+            after_forward = used()
+            after_forward[out.device] -= out.untyped_storage().nbytes()
+        torch.nn.functional.cross_entropy(out, y.to(out.device)).backward()
+        opt.step()
+        del out
+        for d in gpus:
+            torch.cuda.synchronize(d)
+    return {
+        str(d): {
+            "parameters": after_params[d] - base[d],
+            "gradients + optimizer": before[d] - after_params[d],
+            "activations": after_forward[d] - before[d],
+            "temporaries (peak)": torch.cuda.max_memory_allocated(d) - after_forward[d],
+        }
+        for d in gpus
+    }

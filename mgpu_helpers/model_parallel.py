@@ -25,10 +25,12 @@ __all__ = [
     "Timeline",
     "balance",
     "bubble_fraction",
+    "busy_shares",
     "forward_overlap",
     "idle_fraction",
     "layer_costs",
     "run_stages",
+    "two_thread_speedup",
 ]
 
 
@@ -88,6 +90,7 @@ class Event:
     kind: str  # "F" (forward) or "B" (backward)
     start: float  # seconds since the step started
     end: float
+    cpu: float | None = None  # on the CPU: seconds its thread computed (waits for a core excluded)
 
 
 class Timeline:
@@ -95,7 +98,9 @@ class Timeline:
 
     CUDA events on GPUs, the wall clock on the CPU. Each GPU counts from an origin event of its
     own, recorded one after the other, so times compared across GPUs (:func:`forward_overlap`)
-    are off by a few microseconds: a test of overlap must ask for a margin (0.1 ms, say).
+    are off by a few microseconds: a test of overlap must ask for a margin (0.1 ms, say). On the
+    CPU each event also gets the CPU time its thread used (``Event.cpu``): on shared cores a
+    piece of work can last long on the wall clock while its thread waits for a core.
     """
 
     def __init__(self, devices: Sequence[torch.device]) -> None:
@@ -107,12 +112,15 @@ class Timeline:
         self._marks: list[tuple[int, int, str, torch.device, object, object]] = []
 
     def mark(self, device: torch.device) -> object:
-        """A time stamp on ``device``: an event on the current stream of a GPU, or seconds."""
+        """A time stamp on ``device``: an event on the current stream of a GPU, or seconds.
+
+        On the CPU: (wall seconds since the start, this thread's CPU seconds).
+        """
         if device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(device))
             return event
-        return time.perf_counter() - self._t0
+        return time.perf_counter() - self._t0, time.thread_time()
 
     def add(self, stage: int, micro: int, kind: str, device: torch.device, begin: object) -> None:
         """Record that ``stage`` ran ``kind`` ("F" or "B") of ``micro`` from ``begin`` to now."""
@@ -124,7 +132,7 @@ class Timeline:
         for d in self.devices:
             synchronize(d)  # every CUDA event has happened
         events = [
-            Event(stage, micro, kind, self._seconds(dev, a), self._seconds(dev, b))
+            Event(stage, micro, kind, self._seconds(dev, a), self._seconds(dev, b), _cpu(a, b))
             for stage, micro, kind, dev, a, b in self._marks
         ]
         return sorted(events, key=lambda e: (e.stage, e.start))
@@ -132,7 +140,14 @@ class Timeline:
     def _seconds(self, device: torch.device, mark: object) -> float:
         if device.type == "cuda":
             return self._origins[device].elapsed_time(mark) / 1e3  # type: ignore[attr-defined]
-        return float(mark)  # type: ignore[arg-type]
+        return float(mark[0])  # type: ignore[index]
+
+
+def _cpu(begin: object, end: object) -> float | None:
+    """CPU seconds between two CPU marks of one thread; None between GPU events."""
+    if isinstance(begin, tuple) and isinstance(end, tuple):
+        return end[1] - begin[1]
+    return None
 
 
 def run_stages(
@@ -203,3 +218,44 @@ def idle_fraction(events: Sequence[Event]) -> float:
     span = max(e.end for e in events) - min(e.start for e in events)
     busy = sum(e.end - e.start for e in events)
     return 1.0 - busy / (len({e.stage for e in events}) * span) if span > 0 else 0.0
+
+
+def busy_shares(events: Sequence[Event]) -> list[float]:
+    """Each stage's busy time / the step's span, stage by stage (lesson 05b).
+
+    The idle share averages the stages; this tells a loaded stage from an idle one (a bad cut).
+    Busy time is the CPU time of the stage's thread where the events have it (``Event.cpu``):
+    on cores shared with other work, waiting for a core is not being busy. Otherwise (GPUs, or
+    hand-made events) it is each event's length.
+    """
+    if not events:
+        raise ValueError("no events to measure")
+    span = max(e.end for e in events) - min(e.start for e in events)
+    busy = [0.0] * (max(e.stage for e in events) + 1)
+    for e in events:
+        busy[e.stage] += e.end - e.start if e.cpu is None else e.cpu
+    return [b / span if span > 0 else 1.0 for b in busy]
+
+
+def two_thread_speedup(repeats: int = 3, size: int = 512) -> float:
+    """Time of two batches of matrix products one after the other / both at once (lesson 05a).
+
+    About 2 with two free cores, about 1 when the threads must take turns: whether two stage
+    threads on the CPU can work at the same time on this machine now. Uses the calling
+    thread's torch thread count (lesson 05a sets one per stage).
+    """
+    w = torch.randn(size, size)
+
+    def work() -> None:
+        for _ in range(10):
+            w @ w
+
+    def both() -> None:
+        threads = [threading.Thread(target=work) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    sequential = measure(lambda: (work(), work()), "cpu", warmup=1, repeats=repeats).median
+    return sequential / measure(both, "cpu", warmup=1, repeats=repeats).median

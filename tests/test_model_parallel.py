@@ -1,7 +1,8 @@
-"""Lesson 05: split models, the GPipe schedule and balancing, checked against one device.
+"""Lesson 05: split models, the GPipe and 1F1B schedules and balancing, checked against one device.
 
-The split model and the GPipe step are written in lesson 05's cells; these tests run that very
-code, read from the notebook (tests/lesson05_code.py, as benchmarks/pipeline.py reads it).
+The split model and the GPipe step are written in part 05a's cells, the 1F1B step in 05b's;
+these tests run that very code, read from the notebooks (tests/lesson05_code.py, as
+benchmarks/pipeline.py reads it).
 """
 
 from __future__ import annotations
@@ -11,24 +12,38 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from lesson05_code import lesson, split_sequential
+from lesson05_code import lesson, schedules, split_sequential
 from torch import nn
 
 from mgpu_helpers.devices import full_float32
-from mgpu_helpers.memory import memory_by_device, memory_by_stage, saved_activation_bytes
+from mgpu_helpers.lesson_code import load_lesson_code
+from mgpu_helpers.memory import (
+    measured_training_memory,
+    memory_by_device,
+    memory_by_stage,
+    saved_activation_bytes,
+    watch_activations,
+)
 from mgpu_helpers.model_parallel import (
     Event,
     Timeline,
     balance,
     bubble_fraction,
+    busy_shares,
     forward_overlap,
     idle_fraction,
     layer_costs,
     run_stages,
+    two_thread_speedup,
 )
 from mgpu_helpers.models import mlp, small_cnn
 
 SplitModel, gpipe_step = lesson.SplitModel, lesson.gpipe_step
+one_f_one_b_step, one_f_one_b_order = schedules.one_f_one_b_step, schedules.one_f_one_b_order
+
+
+# The margin lesson 05a prints the forward overlap with (section 4.1): the tests' own.
+OVERLAP_MARGIN = load_lesson_code("05a", ["OVERLAP_MARGIN"], {}).OVERLAP_MARGIN
 
 
 def data(n: int = 24, seed: int = 0):
@@ -350,7 +365,9 @@ def test_pipeline_overlaps_on_two_gpus(n_micro: int) -> None:
     last_f0 = max((e for e in events if e.stage == 0 and e.kind == "F"), key=lambda e: e.end)
     # Each GPU's clock starts at its own origin event, recorded one after the other: the two
     # clocks differ by a few microseconds, so an overlap counts only with a margin.
-    margin = 1e-4  # 0.1 ms; one micro-batch forward (1024+ samples, three 4096 layers): ~1 ms
+    margin = (
+        OVERLAP_MARGIN  # 0.1 ms; one micro-batch forward (1024+ samples, three 4096 layers): ~1 ms
+    )
     assert first_f1.start < last_f0.end - margin, f"no overlap: {first_f1} vs {last_f0}"
     if n_micro >= 4:
         # A serialised schedule can hide behind early begin marks; its ends cannot: with equal
@@ -458,3 +475,163 @@ def test_each_stage_sends_right_after_its_own_work(monkeypatch: pytest.MonkeyPat
         ["F1", "send"] * 4 + ["B1", "send"] * 4,
         ["F2"] * 4 + ["B2", "send"] * 4,  # the last stage computes the loss, sends no output
     ]
+
+
+# --- part 05b: 1F1B, activation memory, busy shares ---------------------------------------
+
+
+@pytest.mark.parametrize("n_micro", [1, 2, 3, 5, 24])
+@pytest.mark.parametrize("n_stages", [2, 3])
+def test_one_f_one_b_step_equals_the_plain_step(n_micro: int, n_stages: int) -> None:
+    torch.manual_seed(0)
+    whole = mlp(64, hidden=32, depth=4)
+    cuts = balance(layer_costs(whole), n_stages)
+    split = split_sequential(copy.deepcopy(whole), cuts, ["cpu"] * n_stages)
+    x, y = data(24)
+    expected_loss = reference_step(whole, x, y)
+    opt = torch.optim.SGD(split.parameters(), lr=0.1, momentum=0.9)
+    loss, events = one_f_one_b_step(split, opt, x, y, n_micro)
+    torch.testing.assert_close(loss, expected_loss)
+    assert_same_parameters(whole, split)
+    assert len(events) == 2 * n_stages * min(n_micro, 24)
+    assert_inputs_ready_before_use(events)
+
+
+@pytest.mark.parametrize(("n_stages", "n_micro"), [(1, 1), (2, 4), (3, 2), (4, 8)])
+def test_one_f_one_b_order_alternates_after_the_warm_up(n_stages: int, n_micro: int) -> None:
+    for s in range(n_stages):
+        order = one_f_one_b_order(n_stages, s, n_micro)
+        assert sorted(order) == sorted(
+            [("F", m) for m in range(n_micro)] + [("B", m) for m in range(n_micro)]
+        )
+        assert [m for kind, m in order if kind == "B"] == list(range(n_micro))  # in order
+        live, held = 0, 0
+        for kind, _ in order:
+            live += 1 if kind == "F" else -1
+            held = max(held, live)
+        assert held == min(n_stages - s, n_micro)
+        warmup = min(n_stages - 1 - s, n_micro)
+        steady = order[warmup : warmup + 2 * (n_micro - warmup)]
+        assert [kind for kind, _ in steady] == ["F", "B"] * (n_micro - warmup)
+
+
+def test_one_f_one_b_runs_each_stage_in_its_order_and_sends_at_once() -> None:
+    """Each stage thread follows one_f_one_b_order, and the steps the timeline records show it."""
+    torch.manual_seed(0)
+    split = split_sequential(mlp(64, hidden=32, depth=4), [3, 6], ["cpu"] * 3)
+    opt = torch.optim.SGD(split.parameters(), lr=0.1)
+    x, y = data(24)
+    _, events = one_f_one_b_step(split, opt, x, y, 6)
+    for s in range(3):
+        row = sorted((e for e in events if e.stage == s), key=lambda e: e.start)
+        assert [(e.kind, e.micro) for e in row] == one_f_one_b_order(3, s, 6)
+
+
+@pytest.mark.parametrize(("n_stages", "n_micro"), [(2, 4), (3, 6)])
+def test_one_f_one_b_holds_fewer_activations_than_gpipe(n_stages: int, n_micro: int) -> None:
+    """Lesson 05b, section 3.1: on the same split GPipe's stages hold all M micro-batches'
+    activations at once, 1F1B's stage s at most min(S - s, M), counted from the tensors."""
+    torch.manual_seed(0)
+    whole = mlp(64, hidden=32, depth=6)
+    split = split_sequential(whole, balance(layer_costs(whole), n_stages), ["cpu"] * n_stages)
+    opt = torch.optim.SGD(split.parameters(), lr=0.1)
+    x, y = data(24)
+    peaks = {}
+    for name, step in (("gpipe", gpipe_step), ("1f1b", one_f_one_b_step)):
+        with watch_activations(split.stages, exclude=[x]) as meters:
+            step(split, opt, x, y, n_micro)
+        peaks[name] = [m.peak for m in meters]
+        assert all(m.live == 0 for m in meters), "backward must free every saved activation"
+    for s, (g, o) in enumerate(zip(peaks["gpipe"], peaks["1f1b"], strict=True)):
+        assert g > 0
+        assert o * n_micro == g * min(n_stages - s, n_micro), (s, o, g)
+
+
+def test_watch_activations_counts_saved_tensors_until_backward() -> None:
+    model = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 5))
+    x = torch.randn(4, 10)
+    expected = saved_activation_bytes(model, x)["cpu"]
+    with watch_activations([model], exclude=[x]) as (meter,):
+        out = model(x)
+        # the ReLU's output, saved by the ReLU and the second Linear: one storage, once
+        assert meter.live == meter.peak == 4 * 20 * 4 == expected
+        out.sum().backward()
+        assert meter.live == 0 and meter.peak == 4 * 20 * 4
+    model(x).sum().backward()  # the hooks are gone after the block
+    assert meter.peak == 4 * 20 * 4
+
+
+def test_watch_activations_counts_per_stage_and_survives_an_error() -> None:
+    first, second = nn.Sequential(nn.Linear(10, 20), nn.ReLU()), nn.Sequential(nn.Linear(20, 5))
+    x = torch.randn(4, 10)
+    with watch_activations([first, second], exclude=[x]) as meters:
+        h = first(x)
+        out = second(h)  # kept: freeing the graph would free what it saved
+        assert [m.live for m in meters] == [4 * 20 * 4, 4 * 20 * 4]  # each stage's own copy
+        with pytest.raises(RuntimeError):
+            first(torch.randn(4, 3))  # a wrong shape fails inside the watched forward
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        first(x)  # the failed forward left no hook of the meter's behind
+    assert saved and all(isinstance(t, torch.Tensor) for t in saved)
+    del out
+    assert [m.live for m in meters] == [4 * 20 * 4, 0]  # the graph of `second` is gone
+
+
+def test_busy_shares_are_per_stage_and_prefer_cpu_time() -> None:
+    events = [Event(0, 0, "F", 0, 1), Event(1, 0, "F", 1, 4), Event(0, 0, "B", 4, 5)]
+    assert busy_shares(events) == pytest.approx([2 / 5, 3 / 5])
+    waited = [Event(0, 0, "F", 0, 4, cpu=1.0), Event(1, 0, "F", 0, 4, cpu=4.0)]
+    assert busy_shares(waited) == pytest.approx([1 / 4, 1.0])  # waiting for a core is not busy
+    with pytest.raises(ValueError, match="no events"):
+        busy_shares([])
+
+
+def test_cpu_timeline_counts_thread_time_not_waiting() -> None:
+    import time
+
+    timeline = Timeline([torch.device("cpu")])
+    begin = timeline.mark(torch.device("cpu"))
+    time.sleep(0.05)  # on the clock, but no CPU work
+    timeline.add(0, 0, "F", torch.device("cpu"), begin)
+    begin = timeline.mark(torch.device("cpu"))
+    deadline = time.thread_time() + 0.05
+    while time.thread_time() < deadline:  # CPU work
+        pass
+    timeline.add(0, 1, "F", torch.device("cpu"), begin)
+    slept, worked = sorted(timeline.events(), key=lambda e: e.micro)
+    assert slept.end - slept.start >= 0.05 and slept.cpu < 0.02
+    assert worked.cpu >= 0.05
+    assert busy_shares([slept])[0] < 0.5
+
+
+def test_two_thread_speedup_is_a_ratio_of_timings() -> None:
+    speedup = two_thread_speedup(repeats=1, size=256)
+    assert 0 < speedup < 4  # 2 with two free cores, 1 when the threads take turns
+
+
+def test_the_overlap_margin_is_the_tests() -> None:
+    assert OVERLAP_MARGIN == 1e-4  # 0.1 ms: lesson 05a prints the overlap with this margin
+
+
+def test_measured_training_memory_needs_a_gpu() -> None:
+    with pytest.raises(ValueError, match="needs a GPU"):
+        measured_training_memory(
+            lambda: nn.Linear(4, 2),
+            [torch.device("cpu")],
+            torch.randn(2, 4),
+            torch.zeros(2, dtype=torch.long),
+        )
+
+
+@pytest.mark.gpu
+def test_measured_training_memory_sees_the_activations_autograd_saves() -> None:
+    torch.manual_seed(0)
+    x, y = torch.randn(256, 1, 8, 8), torch.randint(0, 10, (256,))
+    row = measured_training_memory(
+        lambda: mlp(64, hidden=512, depth=3).cuda(), [torch.device("cuda:0")], x, y
+    )["cuda:0"]
+    computed = memory_by_device(mlp(64, hidden=512, depth=3).cuda(), 1, x.cuda())["cuda:0"]
+    assert abs(row["parameters"] - computed["parameters"]) <= 16 * 512
+    assert abs(row["activations"] - computed["activations"]) <= 16 * 512
+    assert row["gradients + optimizer"] >= computed["gradients"] + computed["optimizer"]

@@ -48,17 +48,17 @@ def test_three_stages_and_bad_arguments() -> None:
 
 
 def test_the_benchmark_runs_lesson_05s_own_code() -> None:
-    """The split model and the GPipe step are written in lesson 05's cells only: the benchmark
+    """The split model and the GPipe step are written in lesson 05a's cells only: the benchmark
     loads them from the notebook (as tests/lesson05_code.py does), it holds no copy."""
     import inspect
 
     from lesson05_code import NAMES
 
     benchmark = load_benchmark("pipeline")  # loads the lesson's code; main() does not run
-    notebook = str(ROOT / "notebooks" / "05_model_parallel.ipynb")
+    notebook = str(ROOT / "notebooks" / "05a_model_parallel.ipynb")
     for name in NAMES:
         defined = getattr(benchmark.lesson, name)
         assert getattr(benchmark, name, None) is None, f"the benchmark defines its own {name}"
         if inspect.isfunction(defined):
             assert defined.__code__.co_filename.startswith(notebook), name
-    assert benchmark.lesson.SplitModel.__module__ == "05_model_parallel"
+    assert benchmark.lesson.SplitModel.__module__ == "05a_model_parallel"
