@@ -20,7 +20,7 @@ Each is printed next to its model:
     and DDP's gradient buckets (its reducer's c10d.allreduce_ goes through the dispatcher, where
     CommDebugMode sees it; measured on gloo, torch 2.14). The pipeline's point-to-point messages
     are not among the collectives CommDebugMode counts, so those are computed only.
-  pipelines: the bubble (S - 1) / (M + S - 1) of lesson 05, and the ideal speed-up over one
+  pipelines: the bubble (S - 1) / (M + S - 1) of lesson 05a, and the ideal speed-up over one
     device it leaves, S M / (M + S - 1).
 Memory: parameters + gradients + Adam's state each rank holds after a step, counted from the
 tensors (a DTensor counts its local shard), the largest over the ranks; on GPUs also the

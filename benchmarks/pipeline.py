@@ -8,7 +8,7 @@ One MLP, one batch, a full training step (forward, loss, backward, SGD step) thr
   pipe M=k   the same stages under gpipe_step: the batch in k micro-batches, one thread per
              stage, all forwards then all backwards (GPipe)
 
-SplitModel, cut and gpipe_step are lesson 05's own, read from its notebook and run as written
+SplitModel, cut and gpipe_step are lesson 05a's own, read from its notebook and run as written
 (mgpu_helpers.lesson_code.load_lesson_code): the benchmark times the lesson's code.
 
 The ideal comes from the bubble formula. With S equal stages on S separate devices and free

@@ -1,6 +1,6 @@
 """Where training memory goes: bytes of parameters, gradients, optimizer state, activations.
 
-One implementation for the lessons that count memory: lesson 05 splits it per device and per
+One implementation for the lessons that count memory: lesson 05a splits it per device and per
 pipeline stage (:func:`memory_by_device`, :func:`memory_by_stage`), lesson 06c measures what
 autograd saves (:func:`saved_activation_bytes`), and lesson 08 counts what each rank holds
 under DDP, ZeRO and FSDP2 (:func:`tensor_bytes`, :func:`optimizer_state_bytes`) and reads the
@@ -132,7 +132,7 @@ def _memory(module: nn.Module, slots: int, saved: dict[str, int]) -> dict[str, d
 def memory_by_device(
     model: nn.Module, optimizer_slots: int = 1, sample: Tensor | None = None
 ) -> dict[str, dict[str, int]]:
-    """Bytes of parameters, gradients, optimizer state and activations on each device (lesson 05).
+    """Bytes of parameters, gradients, optimizer state and activations on each device (lesson 05a).
 
     ``optimizer_slots``: state tensors per parameter (1 for SGD with momentum, 2 for Adam).
     Activations are what autograd saves for backward in one forward of ``sample``
@@ -149,7 +149,7 @@ def memory_by_stage(
     optimizer_slots: int = 1,
     sample: Tensor | None = None,
 ) -> list[dict[str, int]]:
-    """One :func:`memory_by_device` row per stage of a split model (lesson 05, section 2.1).
+    """One :func:`memory_by_device` row per stage of a split model (lesson 05a, section 2.1).
 
     Each stage counts as if it had a device of its own, so stages sharing a device are told
     apart, and a stage whose first layer saves its input counts the copy that crossed the cut.

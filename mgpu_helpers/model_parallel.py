@@ -1,8 +1,9 @@
 """Measuring and planning model parallelism (lesson 05; the benchmark and lesson 09 reuse it).
 
-Lesson 05 writes the split model and the GPipe step in its cells; this module keeps what is
-around them: a thread per stage, timelines and idle shares, where to cut. Memory per device
-and per stage is counted in :mod:`mgpu_helpers.memory`, which lesson 08 shares.
+Lesson 05a writes the split model and the GPipe step in its cells, 05b the 1F1B step; this
+module keeps what is around them: a thread per stage, timelines, idle and busy shares, where to
+cut. Memory per device and per stage is counted in :mod:`mgpu_helpers.memory`, which lesson 08
+shares.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class Event:
 
 
 class Timeline:
-    """When each stage's work started and ended in one step (lesson 05's ``gpipe_step``).
+    """When each stage's work started and ended in one step (lessons 05a and 05b's pipeline steps).
 
     CUDA events on GPUs, the wall clock on the CPU. Each GPU counts from an origin event of its
     own, recorded one after the other, so times compared across GPUs (:func:`forward_overlap`)
@@ -194,7 +195,7 @@ def run_stages(
 def forward_overlap(events: Sequence[Event], stage: int = 0) -> float:
     """Seconds by which stage ``stage + 1``'s first forward starts before ``stage``'s last ends.
 
-    Lesson 05: positive when the stages ran forwards at the same time (a pipeline); between
+    Lesson 05a: positive when the stages ran forwards at the same time (a pipeline); between
     GPUs only a clear margin counts (see :class:`Timeline`).
     """
     mine = [e for e in events if e.stage == stage and e.kind == "F"]

@@ -1,6 +1,6 @@
-"""Models for the lessons (lesson 02; split across devices in lesson 05).
+"""Models for the lessons (lesson 02; split across devices in lesson 05a).
 
-Every model is a flat ``nn.Sequential``, so lesson 05 can cut it between any two layers. The
+Every model is a flat ``nn.Sequential``, so lesson 05a can cut it between any two layers. The
 small CNN and the MLP have no batch normalisation, so a sample's output does not depend on the
 rest of its batch: split across devices, a batch gives exactly the single-device result.
 """

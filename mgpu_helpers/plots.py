@@ -203,7 +203,7 @@ def plot_batch_split(batch_size: int, n_devices: int) -> Figure:
 
 
 def plot_timeline(events: Sequence[Event], title: str = "", *, time_unit: str = "ms") -> Figure:
-    """A pipeline timeline (lesson 05): one row per stage, one bar per forward or backward.
+    """A pipeline timeline (lessons 05a, 05b): one row per stage, one bar per forward or backward.
 
     Bars are coloured by micro-batch; backwards are hatched; gaps are a stage's idle time.
     ``events`` come from a measured step (seconds, shown in ``time_unit`` "ms" or "s") or from
@@ -264,7 +264,7 @@ def _ideal_gpipe(n_stages: int, n_micro: int, backward_cost: float) -> list[Even
 def plot_ideal_schedule(n_stages: int, n_micro: int, *, backward_cost: float = 2.0) -> Figure:
     """The ideal GPipe schedule of ``n_stages`` equal stages and ``n_micro`` micro-batches.
 
-    Lesson 05 draws it next to the measured timelines. A forward takes one time slot, a backward
+    Lesson 05a draws it next to the measured timelines. A forward takes one time slot, a backward
     ``backward_cost`` (about two); the idle share is (S - 1) / (M + S - 1) whatever that cost.
     """
     for name, value in (("n_stages", n_stages), ("n_micro", n_micro)):
@@ -284,7 +284,7 @@ def plot_memory(
     *,
     unit: str = "MiB",
 ) -> Figure:
-    """Stacked bars of memory per device (lesson 05): one bar per key, one layer per kind.
+    """Stacked bars of memory per device (lesson 05a): one bar per key, one layer per kind.
 
     ``breakdown`` maps a bar label (e.g. "whole model: cuda:0") to bytes per kind, such as the
     rows of ``memory_by_device``. Kinds keep the order in which they first appear.
@@ -322,7 +322,7 @@ def plot_micro_batch_sweep(
     baseline: float | None = None,
     title: str = "pipeline throughput",
 ) -> Figure:
-    """Throughput against the number of micro-batches (lesson 05).
+    """Throughput against the number of micro-batches (lesson 05b).
 
     ``ideal`` (dashed) is what the bubble formula predicts for each count; ``baseline`` (a
     grey horizontal line) is the unsplit model on one device.

@@ -1,6 +1,6 @@
 """The memory accounting of lessons 05 and 08 (mgpu_helpers.memory), against known sizes.
 
-Lesson 05's per-device and per-stage counts are tested in test_model_parallel.py; here the
+Lesson 05a's per-device and per-stage counts are tested in test_model_parallel.py; here the
 per-rank counts lesson 08 uses: parameters, Adam's two moments, shared storage, DTensor shards.
 """
 

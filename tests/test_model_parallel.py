@@ -237,7 +237,7 @@ def test_memory_by_device_counts_parameters_gradients_state_and_activations() ->
 
 
 def test_activations_are_what_autograd_saves_in_an_mlp() -> None:
-    """Lesson 05, section 2.1: a hand count of what backward needs. In the course's MLP
+    """Lesson 05a, section 2.1: a hand count of what backward needs. In the course's MLP
     (Flatten, then Linear + ReLU per hidden layer, then a Linear) autograd keeps each ReLU's
     output, once, although the next Linear saves it too; the Flatten is a view of the input,
     and the first Linear saves only the input batch, which is not counted."""
@@ -443,7 +443,7 @@ def test_computed_activations_per_stage_match_the_allocator_on_two_gpus() -> Non
 
 
 def test_each_stage_sends_right_after_its_own_work(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The order that keeps two GPUs overlapping (lesson 05, section 4.1): the stage that
+    """The order that keeps two GPUs overlapping (lesson 05a, section 3.1): the stage that
     computed an activation (or an input's gradient) issues its transfer at once, from its own
     thread, before its next piece of work; a copy issued by the receiver would queue behind
     the sender's later work on a GPU. Shown on the CPU by logging each thread's calls."""

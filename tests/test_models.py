@@ -30,7 +30,7 @@ def test_every_model_fits_every_dataset(name, dataset):
     info = INFO[dataset]
     torch.manual_seed(0)
     model = build_model(name, info)
-    assert isinstance(model, nn.Sequential)  # lesson 05 cuts it between layers
+    assert isinstance(model, nn.Sequential)  # lesson 05a cuts it between layers
     out = model(_batch(info, n=3))
     assert out.shape == (3, info.num_classes)
     assert torch.isfinite(out).all()

@@ -71,7 +71,7 @@ def test_plot_timeline_of_a_real_pipeline_step() -> None:
     split = split_sequential(mlp(64, hidden=32, depth=2), [3], ["cpu", "cpu"])
     opt = torch.optim.SGD(split.parameters(), lr=0.1)
     x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
-    _, events = lesson.gpipe_step(split, opt, x, y, 4)  # lesson 05's step
+    _, events = lesson.gpipe_step(split, opt, x, y, 4)  # lesson 05a's step
     fig = plot_timeline(events)
     assert len(_bars(fig)) == 16  # 2 stages x 4 micro-batches x (F, B)
     assert "4 micro-batches" in fig.axes[0].get_title()

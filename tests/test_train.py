@@ -260,7 +260,7 @@ def test_train_epoch_on_an_empty_loader_raises():
 
 class _OutputElsewhere(nn.Module):
     """Stands for a model split across devices: inputs arrive on one device (here "meta"),
-    outputs come out on another (the CPU), like the last stage of lesson 05's split model."""
+    outputs come out on another (the CPU), like the last stage of lesson 05a's split model."""
 
     def __init__(self, classes: int = 3) -> None:
         super().__init__()
