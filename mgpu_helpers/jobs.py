@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["JobResult", "free_port", "run_job", "run_jobs"]
+__all__ = ["JobResult", "free_port", "run_job", "run_jobs", "stop_tree"]
 
 _GRACE = 3.0  # seconds a timed-out job gets to stop on SIGTERM before SIGKILL
 _TAIL = 40  # lines of output quoted in an error message
@@ -219,6 +219,11 @@ def _stream(
             if rest:
                 outputs[i].append(rest)
     return outputs, ended
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    """Stop ``proc`` and its process tree (lesson 07's exercise drill starts one itself)."""
+    _stop(proc)
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -80,7 +80,7 @@ from mgpu_helpers.train import EpochResult, History, seed_everything
 
 # Lesson 04's own evaluation, read from its notebook: one copy of it exists, the lesson's.
 NOTEBOOKS = course_root() / "notebooks"  # the course's, wherever the script is started from
-lesson_04 = load_lesson_code("04", ["real_samples", "evaluate_distributed"], globals(), NOTEBOOKS)
+lesson_04 = load_lesson_code("04b", ["real_samples", "evaluate_distributed"], globals(), NOTEBOOKS)
 evaluate_distributed = lesson_04.evaluate_distributed
 
 SNAPSHOT_VERSION = 1  # bumped when the snapshot's layout changes
