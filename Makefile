@@ -13,7 +13,7 @@ GRADING_STAMP := $(GRADING)/.installed
 # Cloud images and containers often log in as root, which JupyterLab refuses without this flag.
 ROOT_FLAG  := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: envs lab course test test-settings test-fast student doctor lint benchmark budget grading-env clean
+.PHONY: envs lab course test test-long test-settings test-fast student doctor lint benchmark budget grading-env clean
 
 $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,7 +49,13 @@ envs:
 
 test: envs  ## lint, unit tests, every notebook in quick mode, nbgrader
 	$(BIN)/ruff check .
-	MGPU_NBGRADER=$(abspath $(GRADING))/bin/nbgrader $(BIN)/pytest -m "not settings"
+	MGPU_NBGRADER=$(abspath $(GRADING))/bin/nbgrader $(BIN)/pytest -m "not settings and not slow"
+
+# What make test leaves out to stay a quick loop (CI runs it after make test): every lesson on its
+# other settings, and the end-to-end runs marked slow (benchmarks' quick runs, torchrun jobs,
+# lessons as scripts, larger world sizes).
+test-long: $(STAMP)  ## the settings runs and the slow end-to-end tests
+	$(BIN)/pytest -m "settings or slow"
 
 # Every lesson again on each other DATASET and MODEL its parameters cell offers (CI runs it too).
 test-settings: $(STAMP)  ## every lesson on each DATASET/MODEL setting, quick mode
@@ -57,7 +63,7 @@ test-settings: $(STAMP)  ## every lesson on each DATASET/MODEL setting, quick mo
 
 test-fast: $(STAMP)  ## lint and unit tests, no notebooks and no nbgrader (for iterating)
 	$(BIN)/ruff check .
-	$(BIN)/pytest -m "not notebook" --ignore=tests/test_nbgrader.py --ignore=tests/test_lesson_script.py
+	$(BIN)/pytest -m "not notebook and not slow" --ignore=tests/test_nbgrader.py
 
 student: $(STAMP)  ## the student copy of the course (solutions stubbed) in build/student/
 	$(BIN)/mgpu student

@@ -20,6 +20,7 @@ def run_script(*args: str, cwd: Path, timeout: float = 120) -> subprocess.Comple
     return run_benchmark("allreduce", *args, cwd=cwd, timeout=timeout)
 
 
+@pytest.mark.slow  # make test-long
 def test_allreduce_benchmark_writes_its_schema(tmp_path: Path) -> None:
     out = tmp_path / "allreduce.json"
     args = ("--quick", "--device", "cpu", "--world-size", "2", "--max-mb", "2")

@@ -17,6 +17,7 @@ def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return run_benchmark("ddp_from_scratch", *args, timeout=timeout)
 
 
+@pytest.mark.slow  # make test-long
 def test_quick_run_prints_the_ratio_against_its_target_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "ddp.json"
     result = run("--quick", "--device", "cpu", "--out", str(out))

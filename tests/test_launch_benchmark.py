@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import psutil
+import pytest
 from benchmark_run import run_benchmark
 
 
@@ -28,6 +29,7 @@ def processes_tagged(tag: str) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.slow  # make test-long
 def test_launch_overhead_runs_in_quick_mode(tmp_path: Path) -> None:
     out = tmp_path / "launch.json"
     tag = uuid.uuid4().hex  # inherited by every process the script starts

@@ -128,6 +128,7 @@ def test_export_marks_each_cell_and_injects_parameters(tmp_path: Path) -> None:
         las.export(notebook(tmp_path / "x.ipynb", "1"), tmp_path / "x.py", {"N": 5})
 
 
+@pytest.mark.slow  # make test-long
 def test_a_notebook_runs_as_a_script_without_jupyter_or_tqdm(tmp_path: Path) -> None:
     env = without(tmp_path, [*JUPYTER, "tqdm"])
     blocked = subprocess.run(
@@ -281,6 +282,7 @@ def test_failures_and_timeouts_are_reported_and_the_next_lesson_runs(tmp_path: P
     assert "A starts" in direct.stdout and "NOT REACHED" not in direct.stdout
 
 
+@pytest.mark.slow  # make test-long
 def test_lesson_00_runs_as_a_script_in_quick_mode(tmp_path: Path) -> None:
     lesson = ROOT / "notebooks" / "00_setup.ipynb"
     out = tmp_path / "out"

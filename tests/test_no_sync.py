@@ -102,7 +102,7 @@ def check_against_one_process(results: list[dict], world_size: int) -> None:
             torch.testing.assert_close(g, K * ref, msg="without 1/K the gradient is K times larger")
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_no_sync_accumulation_equals_the_large_batch(world_size: int) -> None:
     results = launch(accumulation_worker, world_size, device="cpu", echo=False, timeout=60)
     check_against_one_process(results, world_size)
@@ -202,7 +202,11 @@ def hooks_worker(env: DistEnv, cuda_build: bool = True) -> dict:
     return grads
 
 
-@pytest.mark.parametrize(("world_size", "cuda_build"), [(2, True), (3, True), (2, False)])
+# 3 ranks in make test-long: each launch costs about 10 s on a 2-core machine
+@pytest.mark.parametrize(
+    ("world_size", "cuda_build"),
+    [(2, True), pytest.param(3, True, marks=pytest.mark.slow), (2, False)],
+)
 def test_exercise_3_solution_is_bf16_compress_hook_bit_for_bit(
     world_size: int, cuda_build: bool
 ) -> None:

@@ -212,7 +212,7 @@ def parameter_choices(source: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.notebook
-@pytest.mark.settings  # `make test-settings` (CI runs it after `make test`)
+@pytest.mark.settings  # `make test-long` and `make test-settings` (CI runs the first)
 @pytest.mark.parametrize(("path", "params"), SETTING_CASES)
 def test_lesson_passes_on_each_setting(
     path: Path,

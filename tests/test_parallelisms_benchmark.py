@@ -30,6 +30,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     return done.stdout, json.loads(out.read_text())
 
 
+@pytest.mark.slow  # make test-long
 def test_quick_run_reports_every_method_next_to_its_model(result: tuple[str, dict]) -> None:
     text, data = result
     assert data["benchmark"] == "parallelisms" and data["quick"] is True
@@ -64,6 +65,7 @@ def test_quick_run_reports_every_method_next_to_its_model(result: tuple[str, dic
     assert ("warning: 4 CPU processes" in text) == data["crowded"]
 
 
+@pytest.mark.slow  # make test-long
 def test_pipeline_rows_carry_the_bubble_model(result: tuple[str, dict]) -> None:
     text, data = result
     s, m = data["world_size"], data["microbatches"]
@@ -76,6 +78,7 @@ def test_pipeline_rows_carry_the_bubble_model(result: tuple[str, dict]) -> None:
     assert f"bubble (S-1)/(M+S-1) = {(s - 1) / (m + s - 1):.2f}" in line
 
 
+@pytest.mark.slow  # make test-long
 def test_run_all_reads_it_and_draws_it(result: tuple[str, dict], tmp_path: Path) -> None:
     _, data = result
     rows = {h.what: h for h in run_all._parallelisms(data)}

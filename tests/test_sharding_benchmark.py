@@ -28,6 +28,7 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     return done.stdout, json.loads(out.read_text())
 
 
+@pytest.mark.slow  # make test-long
 def test_quick_run_reports_memory_per_rank_and_the_target(result: tuple[str, dict]) -> None:
     text, data = result
     assert "target <= 1.10 at every N" in text.splitlines()[-2] and "PASS" in text
@@ -55,6 +56,7 @@ def test_quick_run_reports_memory_per_rank_and_the_target(result: tuple[str, dic
     assert data["passed"] is True
 
 
+@pytest.mark.slow  # make test-long
 def test_run_all_reads_it_and_a_result_over_the_target_is_not_met(
     result: tuple[str, dict], tmp_path: Path
 ) -> None:

@@ -86,7 +86,7 @@ def four_ranks() -> list[dict]:
     return launch(everything, 4, STEPS, device="cpu", echo=False, timeout=120)
 
 
-@pytest.fixture(params=["two", "four"])
+@pytest.fixture(params=["two", pytest.param("four", marks=pytest.mark.slow)])  # slow: test-long
 def ranks(request: pytest.FixtureRequest) -> list[dict]:
     return request.getfixturevalue(f"{request.param}_ranks")
 
@@ -227,9 +227,11 @@ def test_sections_1_2_and_exercise_1_on_two_gpus() -> None:
     check_apply_tp(results, "cuda")
     check_exercise_1(results)
     hand, tp, sp = results[0]["tp"]["by_hand"], results[0]["tp"]["tp"], results[0]["tp"]["sp"]
-    print(f"2 GPUs, NCCL: column {hand['column']:.1e}, row {hand['row']:.1e}, MLP grads (relative)"
-          f" {max(hand['mlp_grads'].values()):.1e}; apply_tp logits {tp['forward']:.1e}, grads"
-          f" {tp['grads']:.1e}; SP logits {sp['forward']:.1e}, grads {sp['grads']:.1e}")
+    print(
+        f"2 GPUs, NCCL: column {hand['column']:.1e}, row {hand['row']:.1e}, MLP grads (relative)"
+        f" {max(hand['mlp_grads'].values()):.1e}; apply_tp logits {tp['forward']:.1e}, grads"
+        f" {tp['grads']:.1e}; SP logits {sp['forward']:.1e}, grads {sp['grads']:.1e}"
+    )
 
 
 def test_exercise_1_check_says_not_implemented_for_the_stub(capsys: pytest.CaptureFixture) -> None:

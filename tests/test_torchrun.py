@@ -86,6 +86,7 @@ def runs(tmp_path_factory) -> dict:
     return {"tmp": tmp, "ref": ref, "one": one, "jobs": jobs}
 
 
+@pytest.mark.slow  # make test-long
 def test_standalone_run_and_two_jobs_side_by_side(runs):
     ref_job, one_job = runs["jobs"]
     ref, one = result_of(runs["ref"], ref_job), result_of(runs["one"], one_job)
@@ -101,6 +102,7 @@ def test_standalone_run_and_two_jobs_side_by_side(runs):
     assert {p.name for p in runs["one"].iterdir()} >= {"snap.pt", "snap.pt.prev", "model.pt"}
 
 
+@pytest.mark.slow  # make test-long
 def test_resume_on_two_nodes_without_shared_storage(runs):
     """Two agents on 127.0.0.1 (two "nodes"), each with its own snapshot folder; only node 1
     holds the 1-epoch snapshot. The job resumes from it to 2 epochs: the reference, bitwise."""
@@ -131,6 +133,7 @@ def test_resume_on_two_nodes_without_shared_storage(runs):
     assert result["history"] == result_of(runs["ref"], runs["jobs"][0])["history"]
 
 
+@pytest.mark.slow  # make test-long
 def test_partial_snapshot_falls_back_to_prev_without_a_crash_loop(runs):
     """A snapshot cut short (a copy or a disk that failed mid-way), a valid .prev and the temp
     file of a killed write; two restarts allowed, which a crash loop would use up."""
@@ -151,6 +154,7 @@ def test_partial_snapshot_falls_back_to_prev_without_a_crash_loop(runs):
     assert differing(runs["ref"], folder) == []
 
 
+@pytest.mark.slow  # make test-long
 def test_sigterm_to_torchrun_stops_after_a_step_with_a_snapshot_and_resumes_bitwise(runs):
     """SIGTERM to the agent (a clean stop: scancel, SLURM's time limit, kill -TERM): torchrun
     passes it to every worker, the ranks agree on one step, rank 0 snapshots it, no result.json
@@ -185,6 +189,7 @@ def test_sigterm_to_torchrun_stops_after_a_step_with_a_snapshot_and_resumes_bitw
     assert result["history"] == result_of(runs["ref"], runs["jobs"][0])["history"]
 
 
+@pytest.mark.slow  # make test-long
 def test_augmented_data_resumes_bitwise(tmp_path_factory):
     """CIFAR-10 (small files made here) on the CPU: random crops and flips draw from each
     rank's global random generator, which the snapshot must give back. The digits runs above
