@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from benchmark_run import run_benchmark
 
 
+@pytest.mark.slow  # make test-long
 def test_loop_overhead_quick_prints_a_ratio(tmp_path: Path) -> None:
     out = tmp_path / "loop_overhead.json"
     proc = run_benchmark(

@@ -158,17 +158,20 @@ def doc_runs(doc_folder: Path) -> dict[int, JobResult]:
     return {block.line: result for block, result in zip(RUNS_HERE, results, strict=True)}
 
 
+@pytest.mark.slow  # make test-long
 @pytest.mark.parametrize("block", RUNS_HERE, ids=[f"line{b.line}" for b in RUNS_HERE])
 def test_runs_here_block_runs(block: Block, doc_runs: dict[int, JobResult]) -> None:
     result = doc_runs[block.line]
     assert result.ok, f"{block} exited with {result.returncode}:\n{result.tail()}"
 
 
+@pytest.mark.slow  # make test-long
 def test_doctor_block_reports_ok(doc_runs: dict[int, JobResult]) -> None:
     block = next(b for b in RUNS_HERE if "tooling.cli doctor" in b.code)
     assert "status: ok" in doc_runs[block.line].output
 
 
+@pytest.mark.slow  # make test-long
 def test_requirement_check_finds_nothing_missing_here(doc_runs: dict[int, JobResult]) -> None:
     """The hosted-notebook check against this course's .venv, which has every requirement."""
     block = next(b for b in RUNS_HERE if "requirements.txt" in b.code)
@@ -187,6 +190,7 @@ def test_requirement_check_runs_from_the_notebooks_folder(doc_folder: Path) -> N
     assert result.ok and "nothing to install" in result.output, result.output
 
 
+@pytest.mark.slow  # make test-long
 def test_slurm_rehearsal_trains_on_two_nodes(
     doc_runs: dict[int, JobResult], doc_folder: Path
 ) -> None:

@@ -7,6 +7,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 from benchmark_run import load_benchmark, run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,6 +17,7 @@ def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return run_benchmark("pipeline", *args, timeout=timeout)
 
 
+@pytest.mark.slow  # make test-long
 def test_quick_run_prints_ratios_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "pipeline.json"
     result = run("--quick", "--devices", "cpu,cpu", "--micro", "1", "2", "--out", str(out))
@@ -37,6 +39,7 @@ def test_quick_run_prints_ratios_and_writes_json(tmp_path: Path) -> None:
     assert all(len(t) == data["repeats"] for t in data["seconds_per_step"].values())
 
 
+@pytest.mark.slow  # make test-long
 def test_three_stages_and_bad_arguments() -> None:
     result = run("--quick", "--devices", "cpu,cpu,cpu", "--micro", "3")
     assert result.returncode == 0, result.stderr

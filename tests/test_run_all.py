@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from benchmark_run import ROOT, load_benchmark
 
 run_all = load_benchmark("run_all")
@@ -33,6 +34,7 @@ def test_default_folder_names_host_and_day() -> None:
     assert folder.name.endswith("-2026-12-01") and "/" not in folder.name
 
 
+@pytest.mark.slow  # make test-long
 def test_a_real_quick_run_is_summarized_with_a_picture(tmp_path: Path) -> None:
     """One benchmark for real in quick mode through the runner (the others have smoke tests)."""
     name = "pipeline"
