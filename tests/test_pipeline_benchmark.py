@@ -40,10 +40,13 @@ def test_quick_run_prints_ratios_and_writes_json(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # make test-long
-def test_three_stages_and_bad_arguments() -> None:
+def test_three_stages() -> None:
     result = run("--quick", "--devices", "cpu,cpu,cpu", "--micro", "3")
     assert result.returncode == 0, result.stderr
     assert "S=3 stages" in result.stdout and "pipe M=3" in result.stdout
+
+
+def test_bad_arguments_are_refused() -> None:
     bad = run("--quick", "--devices", "cpu")
     assert bad.returncode == 2 and "two or more devices" in bad.stderr
     bad = run("--quick", "--micro", "0")
