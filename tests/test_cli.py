@@ -127,6 +127,17 @@ def test_mgpu_course_selects_lessons_and_parses_params(lessons, fake_course, tmp
     assert "report.html" in capsys.readouterr().out
 
 
+def test_mgpu_course_only_picks_a_part_or_every_part_of_a_lesson(
+    lessons, fake_course, tmp_path, notebook_writer
+):
+    for part in ("06a_speed", "06b_cost"):
+        notebook_writer(lessons / f"{part}.ipynb", [("params", "N = 1")])
+    out = str(tmp_path / "out")
+    assert main(["course", "--notebooks", str(lessons), "--out", out, "--only", "06b"]) == 0
+    assert main(["course", "--notebooks", str(lessons), "--out", out, "--only", "06"]) == 0
+    assert [c["names"] for c in fake_course] == [["06b_cost"], ["06a_speed", "06b_cost"]]
+
+
 def test_mgpu_course_exits_1_when_a_lesson_fails(lessons, fake_course, tmp_path, capsys):
     assert main(["course", "--notebooks", str(lessons), "--out", str(tmp_path)]) == 1
     assert fake_course[0]["quick"] is False and len(fake_course[0]["names"]) == 3

@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.only:
         wanted = set(args.only)
-        lessons = [p for p in lessons if p.stem in wanted or p.stem[:2] in wanted]
+        # a name, a lesson number ("06": every part) or a part ("06a")
+        lessons = [p for p in lessons if {p.stem, p.stem[:2], p.stem.split("_")[0]} & wanted]
         if not lessons:
             parser.error(f"--only {' '.join(args.only)} matches no lesson in {args.notebooks}")
     from mgpu_helpers.tooling.runner import run_course
