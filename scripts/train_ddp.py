@@ -1,6 +1,6 @@
-"""Lesson 04's DDP training as a script for ``torchrun``, with snapshots (lesson 07).
+"""Lesson 04b's DDP training as a script for ``torchrun``, with snapshots (lesson 07).
 
-``train_ddp`` below is lesson 04's worker (notebooks/04_ddp_mp_spawn.ipynb, section 6) plus
+``train_ddp`` below is lesson 04b's worker (notebooks/04b_ddp_training_run.ipynb, section 2) plus
 the lines a job on a cluster needs: it takes snapshots as it trains (model, optimizer, grad
 scaler, epoch, position in the epoch, step, running metrics, history and every rank's random
 number generators), and a restarted job resumes from the newest one, so that it ends exactly
