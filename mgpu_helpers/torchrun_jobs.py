@@ -50,8 +50,8 @@ __all__ = [
 
 FAULT_WORKER = Path(__file__).with_name("fault_worker.py")  # the worker the faults use
 _TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
-# gloo greets a lost peer with "GLHF!" and an emoji that some browsers draw as an empty box
-_EMOJI = re.compile("[\U0001f000-\U0001faff\u2600-\u27bf\ufe0f]")
+# gloo ends a lost peer's error with "GLHF!" and an emoji that some browsers draw as an empty box
+_GREETING = re.compile(" ?GLHF! ?|[\U0001f000-\U0001faff\u2600-\u27bf\ufe0f]")
 
 
 def require_whole(low: int, **values: object) -> None:
@@ -128,9 +128,10 @@ def shell_line(cmd: Sequence[str | os.PathLike[str]], plain: bool = False) -> st
 def wrapped(text: object, end: str = "") -> str:
     """``text`` with lines over 100 characters broken at spaces (a notebook's output area
     would break them inside words), each piece but the last followed by ``end`` (`` \\``
-    continues a shell line); site-packages paths shortened and gloo's emoji dropped."""
+    continues a shell line); site-packages paths shortened, gloo's greeting ("GLHF!" and an
+    emoji) dropped."""
     site = str(Path(torch.__file__).parents[1])
-    lines = _EMOJI.sub("", str(text).replace(site, "site-packages")).splitlines()
+    lines = _GREETING.sub("", str(text).replace(site, "site-packages")).splitlines()
     pieces = (
         textwrap.wrap(
             line.rstrip(),

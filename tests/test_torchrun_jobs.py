@@ -86,7 +86,7 @@ def test_the_lessons_shell_commands_interpolate_only_quoted_lines():
 
 def test_wrapped_and_job_output_drop_gloos_emoji_and_cpp_frames():
     greeting = "[E] Connection closed by peer [127.0.0.1]:1234 GLHF! \U0001f596"
-    assert "\U0001f596" not in wrapped(greeting) and wrapped(greeting).endswith("GLHF!")
+    assert wrapped(greeting) == "[E] Connection closed by peer [127.0.0.1]:1234"
     out = job_output(
         "\n".join(
             [
@@ -97,7 +97,7 @@ def test_wrapped_and_job_output_drop_gloos_emoji_and_cpp_frames():
             ]
         )
     )
-    assert "\U0001f596" not in out and "frame #" not in out
+    assert "\U0001f596" not in out and "GLHF" not in out and "frame #" not in out
     assert "(2 lines of C++ stack frames left out)" in out
     assert all(len(line) <= 100 for line in out.splitlines())
 
