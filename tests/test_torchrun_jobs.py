@@ -177,6 +177,7 @@ def _alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+@pytest.mark.slow  # make test-long: two torchrun jobs (the notebook test runs the drill too)
 def test_kill_drill_restarts_after_a_killed_worker_and_cleans_up_after_any_answer(tmp_path):
     drill = kill_drill(_kill_a_worker, tmp_path / "worker")
     assert drill["killed"] in drill["workers"] and drill["status"] == 0
