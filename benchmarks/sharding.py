@@ -2,13 +2,13 @@
 
 Lesson 08 writes four ways to train one model on N ranks, each as a trainer with the same
 protocol, and a `train_worker` that runs them on the same batches. This script runs that code
-as the lesson's cells write it (read from the notebook with
+as the lesson's cells write it (read from notebooks 08a and 08b with
 mgpu_helpers.lesson_code.load_lesson_code), side by side in one launch per world size:
 
-  DDP      every rank holds the whole model, its gradients and Adam's state (section 2)
-  ZeRO-1   Adam's state sharded by hand: each rank keeps 1/N of it (section 2)
-  ZeRO-2   and the gradients: reduce-scatter instead of all-reduce (section 2)
-  FSDP2    fully_shard per block and on the root: parameters sharded too (section 3)
+  DDP      every rank holds the whole model, its gradients and Adam's state (08a, section 2)
+  ZeRO-1   Adam's state sharded by hand: each rank keeps 1/N of it (08a)
+  ZeRO-2   and the gradients: reduce-scatter instead of all-reduce (08a)
+  FSDP2    fully_shard per block and on the root: parameters sharded too (08b)
 
 Memory: the bytes of parameters + gradients + optimizer state each rank holds after a step
 (`trainer.memory()`, counted from the tensors: a DTensor counts its local shard with its
@@ -48,6 +48,7 @@ import math
 import statistics
 import sys
 import time
+import types
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -80,17 +81,12 @@ NOISY = 0.5  # a spread (max - min) / median above this is called noisy
 # first use of every kernel), and DDP rebuilds its buckets at the start of the second forward.
 UNTIMED = 2
 
-# The trainers are lesson 08's (sections 2 and 3), read from its notebook and run as its cells
+# The trainers are lesson 08's (parts 08a and 08b), read from its notebooks and run as its cells
 # write them: the lesson is the one place this code lives. The namespace holds what that code
 # uses: the lesson's imports and its head's names (the sizes are passed to train_worker).
-NAMES = (
-    "Block", "Net", "make_model", "make_batch", "DDPTrainer", "ZeroTrainer", "make_mesh",
-    "apply_fsdp", "FSDPTrainer", "train_worker",
-)  # fmt: skip
-lesson = load_lesson_code(
-    "08",
-    NAMES,
-    {
+PART_A = ("Block", "Net", "make_model", "make_batch", "DDPTrainer", "ZeroTrainer", "train_worker")
+PART_B = ("make_mesh", "apply_fsdp", "FSDPTrainer")  # lesson 08b's; the rest is 08a's
+NAMESPACE = {
         "torch": torch,
         "nn": nn,
         "F": F,
@@ -115,8 +111,11 @@ lesson = load_lesson_code(
         "SEED": 0,
         "IN_FEATURES": 64,
         "CLASSES": 10,
-    },  # fmt: skip
-    folder=Path(__file__).resolve().parent.parent / "notebooks",
+}  # fmt: skip
+_FOLDER = Path(__file__).resolve().parent.parent / "notebooks"
+lesson = types.SimpleNamespace(
+    **vars(load_lesson_code("08a", PART_A, NAMESPACE, folder=_FOLDER)),
+    **vars(load_lesson_code("08b", PART_B, NAMESPACE, folder=_FOLDER)),
 )
 
 

@@ -2,7 +2,7 @@
 
 One implementation for the lessons that count memory: lesson 05a splits it per device and per
 pipeline stage (:func:`memory_by_device`, :func:`memory_by_stage`), lesson 06c measures what
-autograd saves (:func:`saved_activation_bytes`), and lesson 08 counts what each rank holds
+autograd saves (:func:`saved_activation_bytes`), and lesson 08a counts what each rank holds
 under DDP, ZeRO and FSDP2 (:func:`tensor_bytes`, :func:`optimizer_state_bytes`) and reads the
 CUDA allocator next to it (:func:`cuda_memory`). Everything here counts tensors, so it is
 exact on any hardware; only :func:`cuda_memory` needs a GPU.
@@ -37,7 +37,7 @@ _KINDS = ("parameters", "gradients", "optimizer", "activations")
 
 def local_tensor(t: Tensor) -> Tensor:
     """The part of ``t`` this process holds: a DTensor's local shard, else ``t`` itself."""
-    to_local = getattr(t, "to_local", None)  # DTensor (FSDP2's parameters, lesson 08)
+    to_local = getattr(t, "to_local", None)  # DTensor (FSDP2's parameters, lesson 08b)
     return to_local() if callable(to_local) else t
 
 
@@ -51,7 +51,7 @@ def _storage(t: Tensor) -> tuple[str, int, int]:
 
 
 def tensor_bytes(tensors: Iterable[Tensor | None]) -> int:
-    """Bytes this process holds for ``tensors`` (lesson 08: what each rank keeps).
+    """Bytes this process holds for ``tensors`` (lessons 08a-08c: what each rank keeps).
 
     A DTensor counts its local shard; each storage counts once and whole (a view, or two
     parameters sharing one weight, is not counted twice; a slice keeps its whole buffer
@@ -73,7 +73,7 @@ def tensor_bytes(tensors: Iterable[Tensor | None]) -> int:
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, steps: bool = False) -> int:
-    """Bytes of the tensors in ``optimizer.state`` on this process (lesson 08; DTensor: local).
+    """Bytes of the tensors in ``optimizer.state`` here (lessons 08a-08c; a DTensor: its shard).
 
     Adam keeps two tensors per parameter (``exp_avg``, ``exp_avg_sq``), each the parameter's
     size, created by the first ``step()``; before it the state is empty. Its 0-dimensional
@@ -91,7 +91,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer, steps: bool = False)
 
 @dataclass(frozen=True)
 class CudaMemory:
-    """What the CUDA allocator says about one GPU, in bytes (lesson 08, section 1)."""
+    """What the CUDA allocator says about one GPU, in bytes (lesson 08a, section 1)."""
 
     allocated: int  # held by live tensors now (torch.cuda.memory_allocated)
     peak: int  # the most held at once since the last reset (torch.cuda.max_memory_allocated)
@@ -99,7 +99,7 @@ class CudaMemory:
 
 
 def cuda_memory(device: torch.device | str) -> CudaMemory | None:
-    """The allocator's view of ``device``, or None when it is not a CUDA device (lesson 08).
+    """The allocator's view of ``device``, or None when it is not a CUDA device (lesson 08a).
 
     ``peak`` counts since the last ``torch.cuda.reset_peak_memory_stats(device)``: reset it
     before the work you measure. Allocations round up to 512-byte blocks, so a few hundred
@@ -164,7 +164,7 @@ def memory_by_stage(
 def saved_activation_bytes(model: nn.Module, sample: Tensor) -> dict[str, int]:
     """Bytes of the tensors autograd saves for backward in a forward of ``sample``, per device.
 
-    Lessons 05 (section 2), 06 and 08. Each storage counts once (a ReLU's output that the next
+    Lessons 05 (section 2), 06 and 08a-08b. Each storage counts once (a ReLU's output that the next
     Linear saves too, a view), parameters, buffers and ``sample`` not at all; BatchNorm's
     running statistics are restored afterwards.
     """

@@ -2,7 +2,7 @@
 
 Lesson 05a writes the split model and the GPipe step in its cells, 05b the 1F1B step; this
 module keeps what is around them: a thread per stage, timelines, idle and busy shares, where to
-cut. Memory per device and per stage is counted in :mod:`mgpu_helpers.memory`, which lesson 08
+cut. Memory per device and per stage is counted in :mod:`mgpu_helpers.memory`, which lesson 08a
 shares.
 """
 

@@ -73,8 +73,8 @@ step lessons "$lessons_limit" "$PY" scripts/lesson_as_script.py run --quick \
   --mode "${LESSON_MODE:-auto}"
 # The test files whose GPU tests need no Jupyter stack (the notebooks run on the CPU in CI);
 # test_torchrun_gpu.py: lesson 07's scripts/train_ddp.py under torchrun, a rank killed; the last
-# four of the line before the last: lesson 08 (memory accounting, ZeRO by hand, FSDP2, sharded
-# checkpoints); then lesson 09 (tensor parallelism, pipeline schedules, the 2-D mesh); the last
+# four of the line before the last: lessons 08a-08c (memory accounting, ZeRO by hand, FSDP2,
+# sharded checkpoints); then lesson 09 (tensor parallelism, pipeline schedules, the 2-D mesh); the last
 # two lines: lesson 10 (errors produced on a GPU: CUDA before a fork, NCCL on a shared GPU, OOM).
 step gpu_tests 210 "$PY" -m pytest -p no:cacheprovider -q -rs -m "gpu or multigpu" \
   tests/test_data_parallel.py tests/test_ddp.py tests/test_ddp_batchnorm.py tests/test_devices.py \
@@ -100,7 +100,7 @@ step ddp_from_scratch 60 "$PY" benchmarks/ddp_from_scratch.py --repeats 5 \
   --out "$out/ddp_from_scratch.json"
 step allreduce 60 "$PY" benchmarks/allreduce.py --max-mb 64 --repeats 3 \
   --out "$out/allreduce.json"
-# lesson 08: per-rank memory of DDP, ZeRO-1/2 and FSDP2 at 1, 2 and 4 ranks (ranks beyond the
+# lessons 08a-08b: per-rank memory of DDP, ZeRO-1/2 and FSDP2 at 1, 2 and 4 ranks (ranks beyond the
 # GPUs run as CPU processes), and step time against DDP
 step sharding 60 "$PY" benchmarks/sharding.py --repeats 3 --out "$out/sharding.json"
 # lesson 09: one device, DDP, tensor parallel, GPipe, 1F1B and dp x tp side by side (4 ranks:

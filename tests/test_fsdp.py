@@ -1,8 +1,9 @@
-"""Lesson 08, sections 3 and 4 and exercise 2: FSDP2 and activation checkpointing.
+"""Lesson 08b: FSDP2 and activation checkpointing, and its two exercises.
 
 The code is the lesson's own, read from its notebook (``load_lesson_code``), on a narrower model
-(WIDTH=32) so that the tests stay fast. One launch per world size: 2 ranks run section 3's tour
-(shapes, gradients, the traced steps), section 4's checkpointed FSDP2 step, and train DDP, FSDP2
+(WIDTH=32) so that the tests stay fast: part 08a's model, batches and trainers, part 08b's
+FSDP2. One launch per world size: 2 ranks run section 2's tour (shapes, gradients, the traced
+steps), section 4's checkpointed FSDP2 step, and train DDP, FSDP2
 and FSDP2 in bf16 side by side; 3 ranks (rows that do not divide evenly, so padding, and float32
 sums that may round differently) run the tour and train DDP and FSDP2 again. Activation
 checkpointing on its own runs in this process.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,7 @@ from mgpu_helpers.exercises import check
 from mgpu_helpers.launch import launch
 from mgpu_helpers.lesson_code import load_lesson_code
 from mgpu_helpers.memory import optimizer_state_bytes, saved_activation_bytes, tensor_bytes
+from mgpu_helpers.sharding import trace_fsdp_step
 from mgpu_helpers.timing import synchronize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,20 +47,24 @@ NAMESPACE = {
     "optimizer_state_bytes": optimizer_state_bytes, "profile": profile,
     "record_function": record_function, "saved_activation_bytes": saved_activation_bytes,
     "synchronize": synchronize, "tensor_bytes": tensor_bytes, "time": time, "torch": torch,
+    "trace_fsdp_step": trace_fsdp_step,
     # the head's parameters, smaller: default arguments are bound when the code is loaded
     "WIDTH": WIDTH, "DEPTH": DEPTH, "BATCH_SIZE": 8, "LR": 1e-3, "SEED": 0,
     "IN_FEATURES": 64, "CLASSES": 10,  # the head's `IN_FEATURES, CLASSES = 64, 10`
-    "tour": [],  # section 3's per-rank results, which exercise 2's check reads (set below)
+    "tour": [],  # section 2's per-rank results, which exercise 1's check reads (set below)
 }  # fmt: skip
+PART_A = ("Block", "Net", "make_model", "make_batch", "DDPTrainer", "train_worker")  # 08a
 NAMES = (
-    "Block", "Net", "make_model", "make_batch",
-    "DDPTrainer", "train_worker",  # section 2
-    "make_mesh", "apply_fsdp", "shard_shapes", "traced_step", "fsdp_tour", "FSDPTrainer",
-    "FP32_ATOL", "FP32_OUTLIERS", "BF16_RTOL",  # section 3
+    "make_mesh", "apply_fsdp", "shard_shapes", "fsdp_tour", "FSDPTrainer",
+    "FP32_ATOL", "FP32_OUTLIERS", "BF16_RTOL",  # sections 1 to 3
     "Checkpointed", "with_checkpointing", "checkpointed_fsdp",  # section 4
-    "fsdp_local_rows", "test_fsdp_local_rows",  # exercise 2
+    "fsdp_local_rows", "test_fsdp_local_rows",  # exercise 1
+    "checkpointed_activation_bytes", "test_checkpointed_activation_bytes",  # exercise 2
 )  # fmt: skip
-lesson = load_lesson_code("08", NAMES, NAMESPACE, folder=ROOT / "notebooks")
+lesson = types.SimpleNamespace(
+    **vars(load_lesson_code("08a", PART_A, NAMESPACE, folder=ROOT / "notebooks")),
+    **vars(load_lesson_code("08b", NAMES, NAMESPACE, folder=ROOT / "notebooks")),
+)
 TRAINERS = {
     "DDP": lesson.DDPTrainer,
     "FSDP2": lesson.FSDPTrainer,
@@ -97,7 +104,7 @@ def loss_gaps(runs: dict, name: str) -> list[float]:
 
 
 def within_fp32_tolerance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    """Section 3.5's check: all but FP32_OUTLIERS within FP32_ATOL, none past 2·LR·steps."""
+    """Section 3's check: all but FP32_OUTLIERS within FP32_ATOL, none past 2·LR·steps."""
     assert a.keys() == b.keys()
     diffs = torch.cat([(a[k] - b[k]).abs().flatten() for k in b])
     outliers = (diffs > lesson.FP32_ATOL).float().mean().item()
@@ -167,7 +174,7 @@ def test_the_tour_checks_gradients_and_traces_the_collectives(two_ranks: list[di
 
 
 def test_the_blocks_hold_padded_all_gather_outputs_on_three_ranks(three_ranks: list[dict]) -> None:
-    # 32 rows become 33 on 3 ranks, 128 become 129: what section 3.3's cell asserts exactly
+    # 32 rows become 33 on 3 ranks, 128 become 129: what section 2.2's cell asserts exactly
     params = list(lesson.make_model().blocks.parameters())
     padded = sum(-(-p.shape[0] // 3) * 3 * p[0].numel() * 4 for p in params)
     assert padded > sum(p.numel() * 4 for p in params)
@@ -225,7 +232,7 @@ def test_checkpointing_keeps_gradients_and_saves_memory() -> None:
         lesson.with_checkpointing(lesson.make_model(), -1)
 
 
-def test_exercise_2_passes_the_solution_and_fails_the_stub_and_wrong_answers(
+def test_exercise_1_passes_the_solution_and_fails_the_stub_and_wrong_answers(
     two_ranks: list[dict], capsys: pytest.CaptureFixture[str]
 ) -> None:
     NAMESPACE["tour"] = [r["tour"] for r in two_ranks]
@@ -245,14 +252,43 @@ def test_exercise_2_passes_the_solution_and_fails_the_stub_and_wrong_answers(
 
     try:
         NAMESPACE["fsdp_local_rows"] = stub
-        assert not check("exercise 2", lesson.test_fsdp_local_rows, hint="h")
-        assert "FAIL  exercise 2: not implemented yet" in capsys.readouterr().out
+        assert not check("exercise 1", lesson.test_fsdp_local_rows, hint="h")
+        assert "FAIL  exercise 1: not implemented yet" in capsys.readouterr().out
         for wrong in (even_split, ceil_everywhere):
             NAMESPACE["fsdp_local_rows"] = wrong
             with pytest.raises(AssertionError):
                 lesson.test_fsdp_local_rows()
     finally:
         NAMESPACE["fsdp_local_rows"] = solution
+
+
+def test_exercise_2_passes_the_solution_and_fails_the_stub_and_wrong_answers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    lesson.test_checkpointed_activation_bytes()  # the solution passes, against real models
+    solution = lesson.checkpointed_activation_bytes
+
+    def stub(batch: int, width: int, depth: int, every: int) -> int:
+        raise NotImplementedError()
+
+    def no_head(batch: int, width: int, depth: int, every: int) -> int:  # the head's input lost
+        return solution(batch, width, depth, every) - 4 * batch * width
+
+    def every_kth_from_k(batch: int, width: int, depth: int, every: int) -> int:  # k-1, 2k-1, ...
+        solution(batch, width, depth, every)  # the same errors for bad input
+        wrapped = depth // every if every else 0
+        return 4 * batch * (wrapped * width + (depth - wrapped) * (10 * width + 2) + width)
+
+    try:
+        NAMESPACE["checkpointed_activation_bytes"] = stub
+        assert not check("exercise 2", lesson.test_checkpointed_activation_bytes, hint="h")
+        assert "FAIL  exercise 2: not implemented yet" in capsys.readouterr().out
+        for wrong in (no_head, every_kth_from_k):
+            NAMESPACE["checkpointed_activation_bytes"] = wrong
+            with pytest.raises(AssertionError):
+                lesson.test_checkpointed_activation_bytes()
+    finally:
+        NAMESPACE["checkpointed_activation_bytes"] = solution
 
 
 @pytest.mark.gpu

@@ -1,9 +1,9 @@
-"""Lesson 08, section 5: a sharded checkpoint (torch.distributed.checkpoint) saved on 2 ranks
+"""Lesson 08c: a sharded checkpoint (torch.distributed.checkpoint) saved on 2 ranks
 loads on 3 ranks and on 1 (one process without a process group: the model for inference, and
-model and Adam together, exercise 3's solution), with the saved state bit for bit and training
+model and Adam together, exercise 1's solution), with the saved state bit for bit and training
 going on as on 2 ranks; the rank-0 full state dict, broadcast from rank 0, loads on 3 ranks too;
 a checkpoint of another model, of a model that is not the lesson's, and a folder without a
-checkpoint are refused with a clear message; exercise 3's check tells its solution from a stub
+checkpoint are refused with a clear message; exercise 1's check tells its solution from a stub
 and from two plausible wrong answers.
 
 The code is the lesson's own, read from its notebook (``load_lesson_code``), on a narrow model
@@ -17,6 +17,7 @@ import copy
 import itertools
 import math
 import os
+import types
 import warnings
 from pathlib import Path
 
@@ -44,14 +45,16 @@ from mgpu_helpers.exercises import check
 from mgpu_helpers.launch import launch
 from mgpu_helpers.lesson_code import load_lesson_code
 from mgpu_helpers.placement import Placement, place
+from mgpu_helpers.sharding import differing_tensors, explain_load_failure, save_fsynced
 from mgpu_helpers.timing import measure_alternating
 
 ROOT = Path(__file__).resolve().parents[1]
+PART_A = ("Block", "Net", "make_model", "make_batch")  # from part 08a
+PART_B = ("make_mesh", "apply_fsdp")  # from part 08b
 NAMES = (
-    "Block", "Net", "make_model", "make_batch", "FULL_ON_RANK0", "FROM_RANK0", "RESUME_ATOL",
-    "make_mesh", "apply_fsdp", "batch_share", "train_steps", "save_worker", "load_worker",
-    "differing_tensors", "saved_model_shape", "load_for_inference",
-    "resume_in_one_process", "test_resume_in_one_process",
+    "FULL_ON_RANK0", "FROM_RANK0", "RESUME_ATOL", "batch_share", "train_steps", "save_worker",
+    "load_worker", "saved_model_shape", "load_for_inference",
+    "resume_in_one_process", "test_resume_in_one_process", "chunks_read", "test_chunks_read",
 )  # fmt: skip
 # The head's parameters are set here, before the code is read, so that default arguments
 # (make_model(width=WIDTH)) take the small sizes.
@@ -67,11 +70,18 @@ NAMESPACE = {
     "set_optimizer_state_dict": set_optimizer_state_dict,
     "fully_shard": fully_shard, "measure_alternating": measure_alternating, "math": math,
     "DeviceMesh": DeviceMesh, "MixedPrecisionPolicy": MixedPrecisionPolicy,
-    # what exercise 3's check reads from section 5's cells; the fixture below fills them in
+    "differing_tensors": differing_tensors, "explain_load_failure": explain_load_failure,
+    "save_fsynced": save_fsynced,
+    # what the exercises' checks read from the notebook's cells; the fixture below fills them in
     "dcp_dir": None, "saved_state": None, "save_run": None, "steps": 0, "resume_steps": 0,
-    "world_size": 0,
+    "world_size": 0, "dcp_entries": None, "load_world_size": 0,
 }  # fmt: skip
-lesson = load_lesson_code("08", NAMES, NAMESPACE, folder=ROOT / "notebooks")
+lesson = types.SimpleNamespace(
+    **vars(load_lesson_code("08a", PART_A, NAMESPACE, folder=ROOT / "notebooks")),
+    **vars(load_lesson_code("08b", PART_B, NAMESPACE, folder=ROOT / "notebooks")),
+    **vars(load_lesson_code("08c", NAMES, NAMESPACE, folder=ROOT / "notebooks")),
+    differing_tensors=differing_tensors,
+)
 STEPS, RESUME = 2, 2  # steps before the checkpoint, steps after it
 
 
@@ -99,10 +109,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Saved on 2 ranks (with the rank-0 full state dict beside it), then loaded on 3 (both)."""
     folder = tmp_path_factory.mktemp("lesson08")
     dcp_dir, probe, saved, resumed, state = save_then_load(folder, place(2, "cpu"), place(3, "cpu"))
-    # what exercise 3's check reads from the notebook's section 5
+    # what the exercises' checks read from the notebook's cells
     NAMESPACE.update(
         dcp_dir=dcp_dir, saved_state=state, save_run=saved, steps=STEPS, resume_steps=RESUME,
-        world_size=2,
+        world_size=2, load_world_size=3,
+        dcp_entries=dcp.FileSystemReader(dcp_dir).read_metadata().state_dict_metadata,
     )  # fmt: skip
     return {"dcp_dir": dcp_dir, "saved": saved, "state": state, "resumed": resumed, "probe": probe}
 
@@ -145,7 +156,7 @@ def test_loads_in_one_process_without_a_process_group(run: dict) -> None:
 
 
 def test_model_and_adam_load_in_one_process_and_train_on_alike(run: dict) -> None:
-    """One process, no group: exercise 3's solution, against the state saved on 2 ranks."""
+    """One process, no group: exercise 1's solution, against the state saved on 2 ranks."""
     model, optimizer = lesson.resume_in_one_process(run["dcp_dir"])
     _, optim_state = get_state_dict(model, optimizer)
     assert lesson.differing_tensors(dict(model.state_dict()), run["state"]["model"]) == []
@@ -170,7 +181,7 @@ def test_a_checkpoint_of_another_model_is_refused_clearly(
         lesson.load_for_inference(run["dcp_dir"], width=width, depth=depth)
     message = str(refused.value)
     assert cause in message and "Traceback" not in message  # DCP's cause, not its traceback wall
-    assert f"this one has width {width} and depth {depth}" in message
+    assert f"this one is the lesson's Net with width {width} and depth {depth}" in message
     assert "Build the model with width=32, depth=2" in message
 
 
@@ -183,7 +194,7 @@ def test_a_foreign_checkpoint_or_an_empty_folder_is_refused_clearly(tmp_path: Pa
     with pytest.raises(ValueError) as refused:
         lesson.load_for_inference(tmp_path / "linear")
     message = str(refused.value)
-    assert "not a checkpoint of lesson 08's Net" in message and "Traceback" not in message
+    assert "not a checkpoint of the lesson's Net" in message and "Traceback" not in message
     assert "Missing key" in message and "model.bias, model.weight" in message
     (tmp_path / "empty").mkdir()
     for folder in (tmp_path / "empty", tmp_path / "absent"):
@@ -195,7 +206,7 @@ def _verdict(capsys: pytest.CaptureFixture[str], answer) -> tuple[bool, str]:
     """Exercise 3's check run against ``answer`` in place of the learner's function."""
     NAMESPACE["resume_in_one_process"] = answer
     try:
-        passed = check("exercise 3", lesson.test_resume_in_one_process, hint="h")
+        passed = check("exercise 1", lesson.test_resume_in_one_process, hint="h")
     finally:
         NAMESPACE["resume_in_one_process"] = lesson.resume_in_one_process
     return passed, capsys.readouterr().out
@@ -262,3 +273,34 @@ def test_saved_on_two_gpus_it_loads_on_one(tmp_path: Path) -> None:
         torch.testing.assert_close(
             resumed["continued"][key], value, rtol=0, atol=lesson.RESUME_ATOL
         )
+
+
+def test_exercise_2s_check_passes_the_solution_and_fails_the_stub_and_wrong_answers(
+    run: dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lesson.test_chunks_read()  # the solution passes, on the real checkpoint's metadata too
+    solution = lesson.chunks_read
+
+    def stub(rows: int, saved_ranks: int, load_ranks: int, rank: int) -> list[int]:
+        raise NotImplementedError()
+
+    def floor_rows(rows: int, saved_ranks: int, load_ranks: int, rank: int) -> list[int]:
+        solution(rows, saved_ranks, load_ranks, rank)  # the same errors for bad input
+        want, have = rows // load_ranks, rows // saved_ranks  # np.array_split-like, not torch.chunk
+        first, end = rank * want, (rank + 1) * want
+        return [r for r in range(saved_ranks) if r * have < end and (r + 1) * have > first]
+
+    def own_rank_only(rows: int, saved_ranks: int, load_ranks: int, rank: int) -> list[int]:
+        solution(rows, saved_ranks, load_ranks, rank)
+        return [rank] if rank < saved_ranks else []
+
+    try:
+        NAMESPACE["chunks_read"] = stub
+        assert not check("exercise 2", lesson.test_chunks_read, hint="h")
+        assert "FAIL  exercise 2: not implemented yet" in capsys.readouterr().out
+        for wrong in (floor_rows, own_rank_only):
+            NAMESPACE["chunks_read"] = wrong
+            with pytest.raises(AssertionError):
+                lesson.test_chunks_read()
+    finally:
+        NAMESPACE["chunks_read"] = solution

@@ -1,4 +1,4 @@
-"""Lesson 08, section 2: ZeRO-1 and ZeRO-2 written by hand equal DDP, and hold what they should.
+"""Lesson 08a, section 2: ZeRO-1 and ZeRO-2 written by hand equal DDP, and hold what they should.
 
 The trainers are the lesson's own code, read from its notebook (``load_lesson_code``), run on a
 small model (WIDTH=7, DEPTH=2: 1,417 parameters, a count that neither 2 nor 3 ranks divide, so
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NAMES = (
     "WIDTH", "DEPTH", "BATCH_SIZE", "LR", "SEED",
     "Block", "Net", "make_model", "make_batch", "shard_layout",
-    "DDPTrainer", "ZeroTrainer", "train_worker", "lockstep_worker",
+    "DDPTrainer", "ZeroTrainer", "NOISE", "train_worker", "lockstep_worker",
 )  # fmt: skip
 NAMESPACE = {
     "DDP": DDP, "DistEnv": DistEnv, "F": F, "dist": dist, "functools": functools, "nn": nn,
@@ -39,7 +39,7 @@ NAMESPACE = {
     "optimizer_state_bytes": optimizer_state_bytes,
     "IN_FEATURES": 64, "CLASSES": 10,  # the head's `IN_FEATURES, CLASSES = 64, 10`
 }  # fmt: skip
-lesson = load_lesson_code("08", NAMES, NAMESPACE, folder=ROOT / "notebooks")
+lesson = load_lesson_code("08a", NAMES, NAMESPACE, folder=ROOT / "notebooks")
 WIDTH, DEPTH, PER_RANK, STEPS = 7, 2, 4, 3
 N_PARAMS = 1417  # 64·7+7 (embed) + 2·(2·7 + 7·28+28 + 28·7+7) (blocks) + 7·10+10 (head)
 TRAINERS = {
@@ -82,6 +82,63 @@ def run(env: DistEnv) -> dict:
     return result
 
 
+class TinyAttention(nn.Module):
+    """Eight tokens of 8 inputs each, one self-attention layer with biases, mean-pooled, a head.
+
+    The gradient of an attention key's bias is zero in exact arithmetic (softmax does not change
+    when one number is added to every score of a row); in float32 it is rounding noise. That is
+    the case the lesson's noise-level tolerance is for."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.attention = nn.MultiheadAttention(width, num_heads=2, batch_first=True)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x.view(x.shape[0], 8, 8))
+        mixed, _ = self.attention(tokens, tokens, tokens, need_weights=False)
+        return self.head((tokens + mixed).mean(dim=1))
+
+
+def make_attention_model(width: int = 16, depth: int = 1) -> TinyAttention:
+    torch.manual_seed(0)
+    return TinyAttention(width)
+
+
+# The lesson's trainers and lockstep comparison once more, with the attention model in place of
+# the lesson's MLP (make_model is the one name the comparison builds its models with).
+attention = load_lesson_code(
+    "08a", ("make_batch", "DDPTrainer", "ZeroTrainer", "NOISE", "lockstep_worker"),
+    {**NAMESPACE, "make_model": make_attention_model}, folder=ROOT / "notebooks",
+)
+ATTENTION_WIDTH = 16
+
+
+def attention_lockstep(env: DistEnv) -> dict:
+    trainers = {
+        "DDP": attention.DDPTrainer,
+        "ZeRO-1": functools.partial(attention.ZeroTrainer, stage=1),
+        "ZeRO-2": functools.partial(attention.ZeroTrainer, stage=2),
+    }
+    return attention.lockstep_worker(env, trainers, STEPS, ATTENTION_WIDTH, 1, per_rank=PER_RANK)
+
+
+def test_on_an_attention_model_with_3_ranks_the_gradient_is_the_proof() -> None:
+    """Issue 24, finding 3: with 3 ranks the averages differ in their last bits, and where a
+    gradient is zero in exact arithmetic (the key biases) Adam turns that noise into steps of
+    about +-LR. The lesson's criterion: the gradient Adam reads within 0.1%, the parameters
+    within LR / 100 except elements whose gradient is at noise level, within 2 LR per step."""
+    lr = lesson.LR
+    for rank in launch(attention_lockstep, 3, device="cpu", echo=False, timeout=60):
+        for name in ("ZeRO-1", "ZeRO-2"):
+            report = rank[name]
+            assert report["gradient ok"] == [True] * STEPS, (name, report["gradient"])
+            assert report["noisy"] >= ATTENTION_WIDTH, report  # at least the key biases
+            assert max(report["parameter"]) <= lr / 100, (name, report["parameter"])
+            assert max(report["noise"]) <= 2 * lr * STEPS, (name, report["noise"])
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
 def launched(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
     return request.param, launch(run, request.param, device="cpu", echo=False, timeout=60)
@@ -118,8 +175,10 @@ def test_the_gradient_adam_reads_equals_ddps_and_a_missing_division_is_caught(
             assert ok == [True] * STEPS, (name, lockstep[name]["gradient"])
             if world_size == 2:
                 assert lockstep[name]["gradient"] == lockstep[name]["parameter"] == [0.0] * STEPS
+                assert lockstep[name]["noise"] == [0.0] * STEPS
             else:
                 assert max(lockstep[name]["parameter"]) <= lesson.LR / 100
+                assert max(lockstep[name]["noise"]) <= 2 * lesson.LR * STEPS
         for name in ("no division 1", "no division 2"):
             assert lockstep[name]["gradient ok"] == [False] * STEPS, name
             assert min(lockstep[name]["gradient"]) > 0.5  # N times the average: off by (N - 1) x
@@ -190,7 +249,7 @@ def test_exercise_1s_check_passes_the_solution_and_fails_wrong_answers(
     world_size, per_rank = runs
     namespace = {"zero_runs": per_rank[0], "n_params": N_PARAMS, "world_size": world_size}
     names = ("predict_state_bytes", "test_predict_state_bytes")
-    exercise = load_lesson_code("08", names, namespace, folder=ROOT / "notebooks")
+    exercise = load_lesson_code("08a", names, namespace, folder=ROOT / "notebooks")
     exercise.test_predict_state_bytes()  # the solution passes, on what this launch measured
 
     def no_padding(n: int, ranks: int, method: str) -> dict[str, int]:
