@@ -57,6 +57,7 @@ PART_A = ("Block", "Net", "make_model", "make_batch", "DDPTrainer", "train_worke
 NAMES = (
     "make_mesh", "apply_fsdp", "shard_shapes", "fsdp_tour", "FSDPTrainer",
     "FP32_ATOL", "FP32_OUTLIERS", "BF16_RTOL",  # sections 1 to 3
+    "init_like_full_build", "meta_worker",  # section 3.2
     "Checkpointed", "with_checkpointing", "checkpointed_fsdp",  # section 4
     "fsdp_local_rows", "test_fsdp_local_rows",  # exercise 1
     "checkpointed_activation_bytes", "test_checkpointed_activation_bytes",  # exercise 2
@@ -83,6 +84,7 @@ def tour_and_training(env: DistEnv, composed: bool, trainers: dict) -> dict:
         lesson.apply_fsdp(lesson.make_model().to(env.device), lesson.make_mesh(env))
     )
     result["runs"] = lesson.train_worker(env, trainers, STEPS)
+    result["meta"] = lesson.meta_worker(env) if composed else None
     return result
 
 
@@ -179,6 +181,26 @@ def test_the_blocks_hold_padded_all_gather_outputs_on_three_ranks(three_ranks: l
     padded = sum(-(-p.shape[0] // 3) * 3 * p[0].numel() * 4 for p in params)
     assert padded > sum(p.numel() * 4 for p in params)
     assert three_ranks[0]["tour"]["held"] == {True: 0, False: padded}
+
+
+def test_a_meta_built_model_equals_a_full_build_and_no_rank_holds_it_whole(
+    two_ranks: list[dict],
+) -> None:
+    """Section 3.2: built on meta, fully_shard, to_empty, filled layer by layer under the seed:
+    every parameter equals make_model()'s bit for bit; a rank holds its shards (half the model,
+    no padding at these sizes) plus one layer at a time, never the whole model; clip_grad_norm_
+    on the DTensor gradients gives the norm of one process's gradients on the global batch."""
+    full = sum(p.numel() * 4 for p in lesson.make_model().parameters())
+    largest = max(sum(p.numel() * 4 for p in m.parameters(recurse=False))
+                  for m in lesson.make_model().modules())
+    for rank in two_ranks:
+        meta = rank["meta"]
+        assert meta["equal"]
+        assert meta["held"] == full // 2 and meta["largest"] == largest
+        assert meta["held"] + meta["largest"] < full
+        assert meta["norm"] == pytest.approx(meta["reference_norm"], rel=1e-5)
+        assert meta["norm"] > 0.1  # above max_norm: the clipping did scale the gradients
+        assert meta["clipped_diff"] < 1e-6
 
 
 def test_checkpointing_composes_with_fsdp2(two_ranks: list[dict]) -> None:
