@@ -3,7 +3,8 @@
 Lesson 08a writes ZeRO-1 and ZeRO-2 in its cells, 08b shards with FSDP2 and 08c saves sharded
 checkpoints. What they only *measure or draw* with lives here: the schematic of what each rank
 holds around a collective (:func:`plot_rank_holdings`), one FSDP2 step traced with the profiler
-(:func:`trace_fsdp_step`) and drawn (:func:`plot_fsdp_traces`), the loss and memory plots, a
+(:func:`trace_fsdp_step`) and drawn (:func:`plot_fsdp_traces`), the bytes each reduce-scatter
+sends (:func:`counted_reduce_scatters`), the loss and memory plots, a
 nested state-dict comparison (:func:`differing_tensors`), a save that is on the disk when it
 returns (:func:`save_fsynced`), and the words of a refused checkpoint load
 (:func:`explain_load_failure`).
@@ -11,9 +12,11 @@ returns (:func:`save_fsynced`), and the words of a refused checkpoint load
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import textwrap
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -24,6 +27,7 @@ from torch import nn
 __all__ = [
     "COLLECTIVES",
     "Event",
+    "counted_reduce_scatters",
     "differing_tensors",
     "explain_load_failure",
     "plot_checkpointing",
@@ -269,3 +273,38 @@ def explain_load_failure(dcp_dir: str | Path, cause: BaseException | str, wanted
                 f"{start}\n{fix}")
     return (f"the checkpoint in {dcp_dir} does not fit this model:\n{cause_text}\n"
             f"It was saved from {saved};\nthis one is {wanted}.\n{fix}")
+
+
+_REDUCE_SCATTERS = ("reduce_scatter_tensor", "reduce_scatter_single")  # older and newer names
+
+
+@contextlib.contextmanager
+def counted_reduce_scatters() -> Iterator[list[tuple[int, torch.dtype]]]:
+    """(bytes, dtype) of the input of every single-tensor reduce-scatter this process starts
+    inside the block (lesson 08b: what ``reduce_dtype`` changes).
+
+    It wraps ``torch.distributed``'s reduce-scatter under each name it has; FSDP2 looks the
+    function up there at every call. The originals are back when the block ends.
+    """
+    import torch.distributed as dist
+
+    seen: list[tuple[int, torch.dtype]] = []
+    originals = {name: getattr(dist, name) for name in _REDUCE_SCATTERS if hasattr(dist, name)}
+
+    def counting(original: Callable) -> Callable:
+        @functools.wraps(original)
+        def counted(*args: object, **kwargs: object) -> object:
+            tensor = kwargs["input"] if "input" in kwargs else args[1]
+            assert isinstance(tensor, torch.Tensor)
+            seen.append((tensor.numel() * tensor.element_size(), tensor.dtype))
+            return original(*args, **kwargs)
+
+        return counted
+
+    try:
+        for name, original in originals.items():
+            setattr(dist, name, counting(original))
+        yield seen
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)

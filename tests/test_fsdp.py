@@ -34,7 +34,7 @@ from mgpu_helpers.exercises import check
 from mgpu_helpers.launch import launch
 from mgpu_helpers.lesson_code import load_lesson_code
 from mgpu_helpers.memory import optimizer_state_bytes, saved_activation_bytes, tensor_bytes
-from mgpu_helpers.sharding import trace_fsdp_step
+from mgpu_helpers.sharding import counted_reduce_scatters, trace_fsdp_step
 from mgpu_helpers.timing import synchronize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ NAMESPACE = {
     "optimizer_state_bytes": optimizer_state_bytes, "profile": profile,
     "record_function": record_function, "saved_activation_bytes": saved_activation_bytes,
     "synchronize": synchronize, "tensor_bytes": tensor_bytes, "time": time, "torch": torch,
-    "trace_fsdp_step": trace_fsdp_step,
+    "trace_fsdp_step": trace_fsdp_step, "counted_reduce_scatters": counted_reduce_scatters,
     # the head's parameters, smaller: default arguments are bound when the code is loaded
     "WIDTH": WIDTH, "DEPTH": DEPTH, "BATCH_SIZE": 8, "LR": 1e-3, "SEED": 0,
     "IN_FEATURES": 64, "CLASSES": 10,  # the head's `IN_FEATURES, CLASSES = 64, 10`
@@ -57,7 +57,7 @@ PART_A = ("Block", "Net", "make_model", "make_batch", "DDPTrainer", "train_worke
 NAMES = (
     "make_mesh", "apply_fsdp", "shard_shapes", "fsdp_tour", "FSDPTrainer",
     "FP32_ATOL", "FP32_OUTLIERS", "BF16_RTOL",  # sections 1 to 3
-    "init_like_full_build", "meta_worker",  # section 3.2
+    "init_like_full_build", "meta_worker", "reduce_bytes",  # sections 3.2 and 3.3
     "Checkpointed", "with_checkpointing", "checkpointed_fsdp",  # section 4
     "fsdp_local_rows", "test_fsdp_local_rows",  # exercise 1
     "checkpointed_activation_bytes", "test_checkpointed_activation_bytes",  # exercise 2
@@ -85,6 +85,7 @@ def tour_and_training(env: DistEnv, composed: bool, trainers: dict) -> dict:
     )
     result["runs"] = lesson.train_worker(env, trainers, STEPS)
     result["meta"] = lesson.meta_worker(env) if composed else None
+    result["reduce_bytes"] = lesson.reduce_bytes(env) if composed else None
     return result
 
 
@@ -201,6 +202,14 @@ def test_a_meta_built_model_equals_a_full_build_and_no_rank_holds_it_whole(
         assert meta["norm"] == pytest.approx(meta["reference_norm"], rel=1e-5)
         assert meta["norm"] > 0.1  # above max_norm: the clipping did scale the gradients
         assert meta["clipped_diff"] < 1e-6
+
+
+def test_reducing_in_bf16_sends_half_the_bytes(two_ranks: list[dict]) -> None:
+    """Section 3.3: every gradient element of the model goes through a reduce-scatter once per
+    backward (no padding on 2 ranks at these sizes), 4 bytes each in float32, 2 in bf16."""
+    n_params = sum(p.numel() for p in lesson.make_model().parameters())
+    for rank in two_ranks:
+        assert rank["reduce_bytes"] == {"float32": 4 * n_params, "bfloat16": 2 * n_params}
 
 
 def test_checkpointing_composes_with_fsdp2(two_ranks: list[dict]) -> None:

@@ -13,8 +13,11 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from mgpu_helpers.dist_env import DistEnv
+from mgpu_helpers.launch import launch
 from mgpu_helpers.sharding import (
     _holdings,
+    counted_reduce_scatters,
     differing_tensors,
     explain_load_failure,
     plot_checkpointing,
@@ -97,3 +100,34 @@ def test_the_plots_draw_what_they_are_given() -> None:
     timing = Timing(times=(0.01, 0.02, 0.03))
     fig = plot_checkpointing({"none": [1.0, 2.0]}, {"none": [timing, timing]}, [8, 16])
     assert len(fig.axes) == 2
+
+
+def reduce_scatter_counts(env: DistEnv) -> dict:
+    """Reduce-scatters in float32 and bf16, counted, then one outside the block (not counted)."""
+    import torch.distributed as dist
+
+    def rs(*args: object, **kwargs: object) -> None:  # looked up at each call, as FSDP2 does
+        newer = hasattr(dist, "reduce_scatter_single")
+        name = "reduce_scatter_single" if newer else "reduce_scatter_tensor"
+        getattr(dist, name)(*args, **kwargs)
+
+    before = dist.reduce_scatter_tensor
+    out = {}
+    with counted_reduce_scatters() as seen:
+        for dtype in (torch.float32, torch.bfloat16):
+            full = torch.ones(6 * env.world_size, dtype=dtype)
+            mine = torch.empty(6, dtype=dtype)
+            rs(mine, full)  # positional, as the lesson's ZeroTrainer calls it
+            rs(output=mine, input=full)  # by keyword, as FSDP2 calls it
+            out[str(dtype)] = mine.tolist()
+    rs(torch.empty(6), torch.ones(6 * env.world_size))
+    out["seen"] = [(size, str(dtype)) for size, dtype in seen]
+    out["restored"] = dist.reduce_scatter_tensor is before
+    return out
+
+
+def test_counted_reduce_scatters_counts_the_bytes_each_sends() -> None:
+    for rank in launch(reduce_scatter_counts, 2, device="cpu", echo=False, timeout=60):
+        assert rank["seen"] == [(48, "torch.float32")] * 2 + [(24, "torch.bfloat16")] * 2
+        assert rank["torch.float32"] == [2.0] * 6  # the sums still arrive: counting, not replacing
+        assert rank["restored"]
