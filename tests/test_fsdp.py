@@ -57,7 +57,7 @@ PART_A = ("Block", "Net", "make_model", "make_batch", "DDPTrainer", "train_worke
 NAMES = (
     "make_mesh", "apply_fsdp", "shard_shapes", "fsdp_tour", "FSDPTrainer",
     "FP32_ATOL", "FP32_OUTLIERS", "BF16_RTOL",  # sections 1 to 3
-    "init_like_full_build", "meta_worker", "reduce_bytes",  # sections 3.2 and 3.3
+    "init_like_full_build", "meta_worker", "reduce_bytes", "TiedNet", "tied_worker",  # 3.2-3.4
     "Checkpointed", "with_checkpointing", "checkpointed_fsdp",  # section 4
     "fsdp_local_rows", "test_fsdp_local_rows",  # exercise 1
     "checkpointed_activation_bytes", "test_checkpointed_activation_bytes",  # exercise 2
@@ -86,6 +86,7 @@ def tour_and_training(env: DistEnv, composed: bool, trainers: dict) -> dict:
     result["runs"] = lesson.train_worker(env, trainers, STEPS)
     result["meta"] = lesson.meta_worker(env) if composed else None
     result["reduce_bytes"] = lesson.reduce_bytes(env) if composed else None
+    result["tied"] = lesson.tied_worker(env) if composed else None
     return result
 
 
@@ -210,6 +211,19 @@ def test_reducing_in_bf16_sends_half_the_bytes(two_ranks: list[dict]) -> None:
     n_params = sum(p.numel() for p in lesson.make_model().parameters())
     for rank in two_ranks:
         assert rank["reduce_bytes"] == {"float32": 4 * n_params, "bfloat16": 2 * n_params}
+
+
+def test_tied_weights_train_in_one_group_and_two_groups_are_refused(two_ranks: list[dict]) -> None:
+    """Section 3.4: embedding and head sharing one weight, both in the root's group: the tied
+    gradient equals one process's on the global batch. In two groups this PyTorch refuses it at
+    the first forward, naming the fix (an older one may train instead, with a wrong gradient)."""
+    for rank in two_ranks:
+        tied = rank["tied"]
+        assert tied["one call gap"] < 1e-6, tied
+        if tied["two calls"].startswith("refused"):
+            assert "fully_shard([module_a, module_b])" in tied["two calls"]
+        else:
+            assert tied["two calls gap"] > 1e-6, tied
 
 
 def test_checkpointing_composes_with_fsdp2(two_ranks: list[dict]) -> None:
