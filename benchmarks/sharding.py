@@ -85,7 +85,7 @@ UNTIMED = 2
 # write them: the lesson is the one place this code lives. The namespace holds what that code
 # uses: the lesson's imports and its head's names (the sizes are passed to train_worker).
 PART_A = ("Block", "Net", "make_model", "make_batch", "DDPTrainer", "ZeroTrainer", "train_worker")
-PART_B = ("make_mesh", "apply_fsdp", "FSDPTrainer")  # lesson 08b's; the rest is 08a's
+PART_B = ("make_mesh", "apply_fsdp", "FSDPTrainer", "init_like_full_build")  # lesson 08b's
 NAMESPACE = {
         "torch": torch,
         "nn": nn,
@@ -182,7 +182,23 @@ def worker(env: DistEnv, sizes: dict, code: object) -> dict:
         for name, run in runs.items():
             seconds[name].append(statistics.median(run["seconds"][UNTIMED:]))  # see UNTIMED
             memory[name], peak[name] = run["memory"], run["peak_cuda"]  # the same every round
-    return {"memory": memory, "peak_cuda": peak, "seconds": seconds}
+    return {"memory": memory, "peak_cuda": peak, "seconds": seconds,
+            "meta_build": meta_build(env, sizes, code)}
+
+
+def meta_build(env: DistEnv, sizes: dict, code: object) -> dict:
+    """Lesson 08b's meta-device build: the bytes a rank holds at its peak while it builds.
+
+    Built on meta, sharded, to_empty, then filled layer by layer (a full layer on the CPU at a
+    time): the peak is the rank's shards plus the largest layer, never the whole model.
+    """
+    with torch.device("meta"):
+        model = code.Net(sizes["width"], sizes["depth"])
+    code.apply_fsdp(model, code.make_mesh(env))
+    model.to_empty(device=env.device)
+    shards = tensor_bytes(model.parameters())
+    largest = code.init_like_full_build(model, env)
+    return {"shards": shards, "largest_layer": largest, "peak": shards + largest}
 
 
 def run_world_size(placement: Placement, sizes: dict) -> dict:
@@ -198,6 +214,7 @@ def run_world_size(placement: Placement, sizes: dict) -> dict:
         "total_per_rank": {m: [sum(r["memory"][m].values()) for r in ranks] for m in METHODS},
         "peak_cuda": {m: max((r["peak_cuda"][m] or 0) for r in ranks) or None for m in METHODS},
         "seconds_per_step": ranks[0]["seconds"],  # the ranks run in lockstep: rank 0's clock
+        "meta_build": max((r["meta_build"] for r in ranks), key=lambda m: m["peak"]),
     }
 
 
@@ -232,6 +249,13 @@ def main(argv: list[str] | None = None) -> int:
             + "".join(f"{t / 2**20:9.2f}" for t in totals)
             + f"{ratios[n]:9.3f}"
         )
+    full_model = 4 * n_params
+    print("\nthe meta-device build (lesson 08b): a rank's peak while it builds and initialises")
+    for n, res in results.items():
+        meta = res["meta_build"]
+        print(f"N = {n}: shards {meta['shards'] / 2**20:.2f} + one layer "
+              f"{meta['largest_layer'] / 2**20:.2f} = {meta['peak'] / 2**20:.2f} MiB, "
+              f"{meta['peak'] / full_model:.2f} x the full model's {full_model / 2**20:.2f} MiB")
     for n, res in results.items():
         if any(res["peak_cuda"].values()):
             peaks = ", ".join(f"{m} {res['peak_cuda'][m] / 2**20:.1f}" for m in METHODS)
@@ -287,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
             "world_sizes": args.world_sizes,
             "runs": {str(n): res for n, res in results.items()},  # JSON keys are strings
             "fsdp_ratio": {str(n): r for n, r in ratios.items()},
+            "meta_build_peak_over_full_model": {
+                str(n): res["meta_build"]["peak"] / (4 * n_params) for n, res in results.items()
+            },
             "time_ratio": {str(n): r for n, r in time_ratio.items()},
             "time_ratio_range": {str(n): r for n, r in ratio_range.items()},
             "rounds_agree": {str(n): r for n, r in agree.items()},

@@ -49,6 +49,10 @@ def test_quick_run_reports_memory_per_rank_and_the_target(result: tuple[str, dic
     fsdp = run["memory"]["FSDP2"]["total"]
     assert data["fsdp_ratio"][n] == pytest.approx(fsdp / (ddp[n] / int(n)))
     assert 1.0 < data["fsdp_ratio"][n] <= data["target"] == 1.10  # > 1: padded rows
+    meta = run["meta_build"]  # lesson 08b's meta-device build: shards plus one layer at a time
+    assert meta["peak"] == meta["shards"] + meta["largest_layer"] < 4 * data["parameters"]
+    assert data["meta_build_peak_over_full_model"][n] == meta["peak"] / (4 * data["parameters"])
+    assert "the meta-device build" in text
     # each sharding step holds less than the one before it
     totals = [run["memory"][m]["total"] for m in data["methods"]]
     assert totals == sorted(totals, reverse=True) and totals[0] > totals[-1]
