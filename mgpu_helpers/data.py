@@ -257,7 +257,7 @@ def make_loader(
 ) -> DataLoader:
     """A DataLoader with a seeded shuffle and the worker/pinning settings for ``device``.
 
-    Pass a ``sampler`` (a ``DistributedSampler`` in lesson 04) instead of ``shuffle``.
+    Pass a ``sampler`` (a ``DistributedSampler`` in lesson 04a) instead of ``shuffle``.
     """
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a whole number >= 1, got {batch_size!r}")

@@ -8,7 +8,7 @@ where an uninterrupted run would: bitwise on the CPU with two ranks. With three 
 weights agree to the last bits only: DDP reorders its gradient buckets after a process's first
 step, so the first step after a restart all-reduces in the initial order, and gloo's ring adds
 three or more values in an order that depends on where a value sits in its bucket (two values
-add alike in either order). Lesson 07 shows it as a diff against lesson 04's worker; the
+add alike in either order). Lesson 07 shows it as a diff against lesson 04b's worker; the
 snapshot machinery sits in small functions around it.
 
 One machine, two processes (``--standalone``: the agent finds a free port itself)::
@@ -42,7 +42,7 @@ Under SLURM, ``scripts/slurm/`` holds an sbatch script that starts one ``torchru
 Started without ``torchrun`` (``python scripts/train_ddp.py``), the script says how to start it.
 """
 
-# ruff: noqa: E501  (train_ddp keeps lesson 04's lines as the notebook has them)
+# ruff: noqa: E501  (train_ddp keeps lesson 04b's lines as the notebook has them)
 from __future__ import annotations
 
 import argparse
@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler  # noqa: F401  (lesson 04 reads both)
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: F401  (lesson 04b reads both)
 
 from mgpu_helpers.config import DATASETS, MODELS, LessonConfig, apply_quick, course_root
 from mgpu_helpers.data import build_datasets, make_loader
@@ -78,7 +78,7 @@ from mgpu_helpers.models import build_model
 from mgpu_helpers.timing import synchronize
 from mgpu_helpers.train import EpochResult, History, seed_everything
 
-# Lesson 04's own evaluation, read from its notebook: one copy of it exists, the lesson's.
+# Lesson 04b's own evaluation, read from its notebook: one copy of it exists, the lesson's.
 NOTEBOOKS = course_root() / "notebooks"  # the course's, wherever the script is started from
 lesson_04 = load_lesson_code("04b", ["real_samples", "evaluate_distributed"], globals(), NOTEBOOKS)
 evaluate_distributed = lesson_04.evaluate_distributed
@@ -92,19 +92,19 @@ METRICS = ("epoch", "train_loss", "train_acc", "test_loss", "test_acc")  # histo
 
 @dataclass(frozen=True)
 class RunOptions:
-    """What the script adds to lesson 04's parameters: snapshots, precision, output, faults."""
+    """What the script adds to lesson 04b's parameters: snapshots, precision, output, faults."""
 
     snapshot: Path | None  # the snapshot file (None: no snapshots, no resume)
     snapshot_every: int  # also snapshot every N optimizer steps (0: after each epoch only)
     out: Path | None  # rank 0 writes result.json and model.pt here at the end
     amp: bool  # autocast as in lesson 06c: bf16 where supported, else fp16 with a GradScaler
-    sync_bn: bool  # SyncBatchNorm, as lesson 04's sync_bn (GPUs only)
+    sync_bn: bool  # SyncBatchNorm, as lesson 04b's sync_bn (GPUs only)
     kill_at_step: int | None  # fault injection: a rank dies right before this global step
     kill_rank: int  # ... this rank
     restarts: int = 0  # torchrun's restarts before this attempt, the most any node's agent counts
 
 
-# --- the worker: lesson 04's train_ddp plus the snapshot lines ----------------------------------
+# --- the worker: lesson 04b's train_ddp plus the snapshot lines ----------------------------------
 def train_ddp(env: DistEnv, cfg: LessonConfig, run: RunOptions) -> dict[str, Any]:
     """Train cfg's model with DDP on this rank, snapshotting and resuming; returns the result."""
     device = env.device  # this rank's device
@@ -623,7 +623,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; argparse runs before any distributed code, so --help works anywhere."""
     parser = argparse.ArgumentParser(
         prog="train_ddp.py",
-        description="Lesson 04's DDP training under torchrun, with snapshots (lesson 07).",
+        description="Lesson 04b's DDP training under torchrun, with snapshots (lesson 07).",
         epilog="Start it with torchrun, e.g. torchrun --standalone --nproc-per-node=2 "
         "scripts/train_ddp.py --epochs 2 --snapshot /tmp/snap.pt --out /tmp/run",
     )
