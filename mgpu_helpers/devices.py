@@ -234,8 +234,9 @@ def full_float32(deterministic: bool = False) -> None:
     """Switch off TF32 in this process, for GPU results compared with the CPU (lessons 03-05).
 
     cuDNN runs float32 convolutions in TF32 by default (10-bit mantissas): too coarse for checks
-    against the CPU. ``deterministic=True`` also makes cuDNN pick the same algorithm every time,
-    with no autotuning (lesson 04b compares two runs on GPUs). A function, so a worker calling it
+    against the CPU. ``deterministic=True`` also restricts cuDNN to deterministic algorithms
+    (none whose atomic adds round differently from run to run) and switches its autotuning
+    (``benchmark``) off (lesson 04b compares two runs on GPUs). A function, so a worker calling it
     stays picklable by value (the ``torch.backends.cudnn`` module is not).
     """
     torch.backends.cudnn.allow_tf32 = False
