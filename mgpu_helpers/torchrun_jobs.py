@@ -292,15 +292,39 @@ def plot_attempts(
     return fig
 
 
-def _gone(pid: int) -> bool:
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended: it no longer exists, or is a zombie (ended, not yet
+    reaped). Without ``/proc`` (macOS) a process that still answers counts as running."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    try:  # a zombie (killed, not yet reaped) is gone too
+    except PermissionError:  # it exists, under another user
+        return False
+    try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
+    except OSError:  # it ended between the two looks, or there is no /proc
+        return Path("/proc").is_dir()
+
+
+def node_gpus(node: int, gpus_per_node: int, visible: str | None = None) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` value for node ``node`` of a job split over this machine's
+    GPUs, ``gpus_per_node`` each. ``visible`` (default: this process's ``CUDA_VISIBLE_DEVICES``)
+    is the parent's list: a kernel started with ``2,3`` gives node 0 GPU 2 and node 1 GPU 3,
+    not GPUs 0 and 1. Unset or empty, the indices count from 0."""
+    require_whole(1, gpus_per_node=gpus_per_node)
+    require_whole(0, node=node)
+    if visible is None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    first = node * gpus_per_node
+    wanted = range(first, first + gpus_per_node)
+    if not visible or not visible.strip():
+        return ",".join(map(str, wanted))
+    parent = [d.strip() for d in visible.split(",") if d.strip()]
+    if first + gpus_per_node > len(parent):
+        raise ValueError(f"node {node} needs GPUs {first}..{first + gpus_per_node - 1} of "
+                         f"CUDA_VISIBLE_DEVICES={visible!r}, which lists {len(parent)}")
+    return ",".join(parent[i] for i in wanted)
 
 
 def _kill_orphans(folder: Path) -> None:
@@ -314,7 +338,7 @@ def _kill_orphans(folder: Path) -> None:
         except (ProcessLookupError, PermissionError):
             pass
     deadline = time.monotonic() + 3.0
-    while pids and time.monotonic() < deadline and not all(map(_gone, pids)):
+    while pids and time.monotonic() < deadline and not all(map(gone, pids)):
         time.sleep(0.02)
 
 

@@ -19,8 +19,10 @@ import torch
 from mgpu_helpers.torchrun_jobs import (
     compare_runs,
     describe,
+    gone,
     job_output,
     kill_drill,
+    node_gpus,
     plan_runs,
     print_command,
     require_seconds,
@@ -213,3 +215,35 @@ def test_the_store_issue_is_cited_as_the_open_one_and_intermittent():
         assert "167288" in text, f"{path.name} does not cite the open issue"
     notes = nbformat.read(LESSON, as_version=4).cells[-1].source
     assert notes.startswith("## Notes") and "167288" in notes and "intermittent" in notes
+
+
+def test_node_gpus_index_into_the_parents_list():
+    # no list (or an empty one): physical indices from 0, gpus_per_node each
+    assert [node_gpus(n, 2, visible="") for n in range(2)] == ["0,1", "2,3"]
+    assert [node_gpus(n, 1, visible="") for n in range(2)] == ["0", "1"]
+    # a kernel started with CUDA_VISIBLE_DEVICES=2,3 must send the nodes to GPUs 2 and 3
+    assert [node_gpus(n, 1, visible="2,3") for n in range(2)] == ["2", "3"]
+    assert [node_gpus(n, 2, visible="4, 5,6,7") for n in range(2)] == ["4,5", "6,7"]
+    assert node_gpus(1, 1, visible="GPU-aaa,GPU-bbb") == "GPU-bbb"
+    with pytest.raises(ValueError, match="lists 2"):
+        node_gpus(1, 2, visible="2,3")
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        node_gpus(0, 0, visible="0")
+
+
+def test_node_gpus_reads_this_processs_list(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert [node_gpus(n, 1) for n in range(2)] == ["3", "1"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert node_gpus(1, 1) == "1"
+
+
+def test_gone_tells_a_running_process_from_an_ended_one():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert not gone(proc.pid)
+        assert not gone(os.getpid())
+    finally:
+        proc.kill()
+    proc.wait()
+    assert gone(proc.pid)
