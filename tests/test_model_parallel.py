@@ -77,9 +77,11 @@ def test_split_model_matches_the_unsplit_model(cuts: list[int]) -> None:
         torch.testing.assert_close(q.grad, p.grad)
 
 
+@pytest.mark.parametrize("step", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("n_micro", [1, 2, 3, 5, 24])
 @pytest.mark.parametrize("n_stages", [2, 3])
-def test_pipelined_step_equals_the_plain_step(n_micro: int, n_stages: int) -> None:
+def test_pipelined_step_equals_the_plain_step(n_micro: int, n_stages: int, step: str) -> None:
+    """GPipe (05a) and 1F1B (05b): the same step as the unsplit model, inputs ready before use."""
     torch.manual_seed(0)
     whole = mlp(64, hidden=32, depth=4)
     cuts = balance(layer_costs(whole), n_stages)
@@ -87,11 +89,13 @@ def test_pipelined_step_equals_the_plain_step(n_micro: int, n_stages: int) -> No
     x, y = data(24)
     expected_loss = reference_step(whole, x, y)
     opt = torch.optim.SGD(split.parameters(), lr=0.1, momentum=0.9)
-    loss, events = gpipe_step(split, opt, x, y, n_micro)
+    run = gpipe_step if step == "gpipe" else one_f_one_b_step
+    loss, events = run(split, opt, x, y, n_micro)
     torch.testing.assert_close(loss, expected_loss)
     assert_same_parameters(whole, split)
     assert len(events) == 2 * n_stages * min(n_micro, 24)
     assert {e.kind for e in events} == {"F", "B"}
+    assert_inputs_ready_before_use(events)
 
 
 def test_schedule_order_respects_dependencies() -> None:
@@ -478,23 +482,6 @@ def test_each_stage_sends_right_after_its_own_work(monkeypatch: pytest.MonkeyPat
 
 
 # --- part 05b: 1F1B, activation memory, busy shares ---------------------------------------
-
-
-@pytest.mark.parametrize("n_micro", [1, 2, 3, 5, 24])
-@pytest.mark.parametrize("n_stages", [2, 3])
-def test_one_f_one_b_step_equals_the_plain_step(n_micro: int, n_stages: int) -> None:
-    torch.manual_seed(0)
-    whole = mlp(64, hidden=32, depth=4)
-    cuts = balance(layer_costs(whole), n_stages)
-    split = split_sequential(copy.deepcopy(whole), cuts, ["cpu"] * n_stages)
-    x, y = data(24)
-    expected_loss = reference_step(whole, x, y)
-    opt = torch.optim.SGD(split.parameters(), lr=0.1, momentum=0.9)
-    loss, events = one_f_one_b_step(split, opt, x, y, n_micro)
-    torch.testing.assert_close(loss, expected_loss)
-    assert_same_parameters(whole, split)
-    assert len(events) == 2 * n_stages * min(n_micro, 24)
-    assert_inputs_ready_before_use(events)
 
 
 @pytest.mark.parametrize(("n_stages", "n_micro"), [(1, 1), (2, 4), (3, 2), (4, 8)])
