@@ -303,15 +303,6 @@ def test_forward_overlap_reads_the_timeline() -> None:
         forward_overlap(piped, stage=1)
 
 
-def test_cpu_timeline_marks_start_once_the_input_is_there() -> None:
-    torch.manual_seed(0)
-    split = split_sequential(mlp(64, hidden=32, depth=4), [2, 4], ["cpu"] * 3)
-    opt = torch.optim.SGD(split.parameters(), lr=0.1)
-    x, y = data(24)
-    _, events = gpipe_step(split, opt, x, y, 6)
-    assert_inputs_ready_before_use(events)
-
-
 @pytest.mark.gpu
 def test_split_and_pipeline_on_one_gpu_twice() -> None:
     full_float32()
