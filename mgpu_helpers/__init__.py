@@ -4,7 +4,8 @@
 module one idea a lesson teaches: ``devices``, ``placement`` and ``doctor`` (00, 01),
 ``config`` (every lesson), ``timing`` (01), ``data``, ``models`` and ``train`` (02),
 ``data_parallel`` (03), ``launch`` and ``dist_env`` (04a), ``gaps`` (04b), ``model_parallel`` (05),
-``memory`` (05, 06, 08), ``comm`` (06), ``jobs`` (07), ``troubleshooting`` (10: the entries
+``memory`` (05, 06, 08), ``comm`` (06), ``jobs`` (07), ``sharding`` (08),
+``tensor_parallel`` (09), ``troubleshooting`` (10: the entries
 error messages point to), ``lesson_code`` (a lesson's code shown as a diff later on, or run by
 tests and benchmarks), ``plots``, ``exercises`` and ``record`` (every lesson). Import each
 name from the module that defines it

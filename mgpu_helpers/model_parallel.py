@@ -1,9 +1,10 @@
-"""Measuring and planning model parallelism (lesson 05; the benchmark and lesson 09 reuse it).
+"""Measuring and planning model parallelism (lesson 05; the benchmark and lesson 09b reuse it).
 
 Lesson 05a writes the split model and the GPipe step in its cells, 05b the 1F1B step; this
 module keeps what is around them: a thread per stage, timelines, idle and busy shares, where to
-cut. Memory per device and per stage is counted in :mod:`mgpu_helpers.memory`, which lesson 08a
-shares.
+cut. Lesson 09b's pipeline across processes is watched by :class:`StageProbe` and judged by
+:func:`unequal_idle` and :func:`bubble_verdict`. Memory per device and per stage is counted
+in :mod:`mgpu_helpers.memory`, which lesson 08a shares.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import itertools
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,8 +25,11 @@ from .timing import measure, synchronize
 
 __all__ = [
     "Event",
+    "StageProbe",
     "Timeline",
+    "as_events",
     "balance",
+    "bubble_verdict",
     "bubble_fraction",
     "busy_shares",
     "forward_overlap",
@@ -32,6 +37,7 @@ __all__ = [
     "layer_costs",
     "run_stages",
     "two_thread_speedup",
+    "unequal_idle",
 ]
 
 
@@ -260,3 +266,149 @@ def two_thread_speedup(repeats: int = 3, size: int = 512) -> float:
 
     sequential = measure(lambda: (work(), work()), "cpu", warmup=1, repeats=repeats).median
     return sequential / measure(both, "cpu", warmup=1, repeats=repeats).median
+
+
+class _Saved:
+    """What :class:`StageProbe`'s pack hook hands autograd: its lifetime is the saved slot's."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+
+class StageProbe:
+    """Times one pipeline stage's forwards and backwards and counts the activations it saves
+    (lesson 09b).
+
+    ``stage`` is a ``torch.distributed.pipelining.PipelineStage`` (or anything with its
+    ``forward_one_chunk(i, ...)``, ``backward_one_chunk(i, ...)``, ``submod`` and ``device``).
+    The two methods are public but undocumented: the probe wraps them on this one object and
+    passes every argument through, so a renamed method stops it with an AttributeError.
+
+    - ``events``: ``(kind, micro-batch, start s, end s)`` per call, on ``time.perf_counter``'s
+      clock (shared by a machine's processes); on a GPU after a synchronize, so the work ran.
+    - while ``counting`` is true, each forward runs under ``saved_tensors_hooks``: the pack hook
+      wraps every saved tensor that is not a parameter (or a view of one) in a holder, and
+      ``weakref.finalize`` reports when autograd drops it (after the backward used it). So
+      ``peak_micro`` is the most micro-batches whose saved activations were alive at once,
+      ``peak_bytes`` their most bytes, ``micro_bytes[i]`` micro-batch i's bytes after its
+      forward. A tensor saved twice counts once.
+    """
+
+    def __init__(self, stage: object) -> None:
+        self.device = torch.device(stage.device)
+        self.params = {p.untyped_storage().data_ptr() for p in stage.submod.parameters()}
+        self.events: list[tuple[str, int, float, float]] = []
+        self.counting = False
+        self.live: dict[int, int] = {}  # micro-batch -> bytes of its saved activations alive
+        self.holders: dict[tuple[int, int, int], int] = {}  # (micro, address, numel) -> alive
+        self.peak_micro, self.peak_bytes = 0, 0
+        self.micro_bytes: dict[int, int] = {}
+        self._micro = 0
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+        stage.forward_one_chunk = lambda i, *a, **k: self._timed("F", i, forward, i, *a, **k)
+        stage.backward_one_chunk = lambda i, *a, **k: self._timed("B", i, backward, i, *a, **k)
+
+    def _timed(
+        self, kind: str, micro: int, fn: Callable, *args: object, **kwargs: object
+    ) -> object:
+        synchronize(self.device)  # the clock reads when the work has run, not when it was queued
+        start = time.perf_counter()
+        if kind == "F" and self.counting:
+            self._micro = micro
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                out = fn(*args, **kwargs)
+            self.micro_bytes[micro] = self.live.get(micro, 0)
+        else:
+            out = fn(*args, **kwargs)
+        synchronize(self.device)
+        self.events.append((kind, micro, start, time.perf_counter()))
+        return out
+
+    def _pack(self, t: Tensor) -> object:
+        if t.untyped_storage().data_ptr() in self.params:
+            return t  # a parameter or a view of one: not an activation
+        key, nbytes = (self._micro, t.data_ptr(), t.numel()), t.numel() * t.element_size()
+        holder = _Saved(t)
+        self.holders[key] = self.holders.get(key, 0) + 1
+        if (
+            self.holders[key] == 1
+        ):  # a tensor saved twice (a view, or by two operations) counts once
+            self.live[self._micro] = self.live.get(self._micro, 0) + nbytes
+        weakref.finalize(holder, self._release, key, nbytes)
+        self.peak_micro = max(self.peak_micro, sum(b > 0 for b in self.live.values()))
+        self.peak_bytes = max(self.peak_bytes, sum(self.live.values()))
+        return holder
+
+    @staticmethod
+    def _unpack(saved: object) -> Tensor:
+        return saved.tensor if isinstance(saved, _Saved) else saved  # a parameter: itself
+
+    def _release(self, key: tuple[int, int, int], nbytes: int) -> None:
+        self.holders[key] -= 1
+        if self.holders[key] == 0:  # autograd dropped the last holder: the backward used it
+            del self.holders[key]
+            self.live[key[0]] -= nbytes
+
+
+def as_events(timelines: Sequence[Sequence[tuple[str, int, float, float]]]) -> list[Event]:
+    """Each rank's ``StageProbe.events`` as one list of :class:`Event`, stage = rank (09b)."""
+    return [
+        Event(rank, micro, kind, start, end)
+        for rank, timeline in enumerate(timelines)
+        for kind, micro, start, end in timeline
+    ]
+
+
+def unequal_idle(forward: Sequence[float], backward: Sequence[float], n_micro: int) -> float:
+    """Idle share of GPipe's order when stage s takes ``forward[s]`` and ``backward[s]`` per
+    micro-batch and messages take no time (lesson 09b; lesson 05b's prediction per micro-batch).
+
+    Each phase takes the sum over the stages for the first micro-batch, then the slowest
+    stage's time for each further one. With equal stages it is (S - 1) / (M + S - 1).
+    """
+    if len(forward) != len(backward) or not forward or n_micro < 1:
+        raise ValueError("pass one forward and one backward time per stage, and n_micro >= 1")
+    span = (
+        sum(forward) + (n_micro - 1) * max(forward) + sum(backward) + (n_micro - 1) * max(backward)
+    )
+    return 1 - n_micro * (sum(forward) + sum(backward)) / (len(forward) * span)
+
+
+def bubble_verdict(
+    name: str,
+    idle: float,
+    spread: float,
+    model: float,
+    unequal: float,
+    quick: bool,
+    timed_steps: int,
+) -> list[str]:
+    """What a measured idle share says about the formula's, in words (lesson 09b).
+
+    ``idle``: the median step's idle share; ``spread``: how far it moved over the timed steps;
+    ``model``: (S - 1) / (M + S - 1); ``unequal``: :func:`unequal_idle`. A spread larger than
+    the gap to the formula gives no verdict: noise dominates.
+    """
+    gap = idle - model
+    if spread >= max(abs(gap), 0.05):
+        return [
+            f"{name:>5}: no verdict: the idle share moved by {spread:.0%} over {timed_steps} "
+            "timed steps,",
+            f"       against {gap:+.0%} from the formula: noise dominates",
+        ]
+    if quick and spread > 0.1:
+        return [
+            f"{name:>5}: no verdict in quick mode: {gap:+.0%} from the formula, but only "
+            f"{timed_steps} timed steps moving by {spread:.0%}"
+        ]
+    if abs(gap) <= 0.1:
+        return [
+            f"{name:>5}: measured {idle:.0%} against {model:.0%}: within 10 points of the formula"
+        ]
+    return [
+        f"{name:>5}: measured {idle:.0%}, {gap:+.0%} against the formula's {model:.0%}; "
+        f"unequal stages explain {unequal - model:+.0%},",
+        f"       messages, the loss and waits for a core the other {idle - unequal:+.0%}",
+    ]

@@ -16,6 +16,7 @@ from .model_parallel import Event, bubble_fraction
 from .train import History
 
 __all__ = [
+    "plot_activation_peaks",
     "plot_batch_split",
     "plot_history",
     "plot_ideal_schedule",
@@ -583,4 +584,34 @@ def plot_scaling(
         ax.legend(fontsize="small")
     if title:
         fig.suptitle(title)
+    return fig
+
+
+def plot_activation_peaks(peaks: Mapping[str, Sequence[int]], n_micro: int) -> Figure:
+    """Bars: the most micro-batches whose activations each stage held at once, per schedule,
+    beside GPipe's model (M) and 1F1B's (min(M, S - s)) (lesson 09b)."""
+    if not peaks or n_micro < 1:
+        raise ValueError("pass each schedule's peaks per stage and n_micro >= 1")
+    fig = Figure(figsize=(8, 3.6))
+    ax = fig.subplots()
+    stages = range(len(next(iter(peaks.values()))))
+    width = 0.8 / len(peaks)
+    for k, (name, counts) in enumerate(peaks.items()):
+        xs = [s + (k - (len(peaks) - 1) / 2) * width for s in stages]
+        ax.bar(xs, counts, width, label=f"{name}, measured", color=f"C{k}", **_EDGE)
+    left, right = [s - 0.45 for s in stages], [s + 0.45 for s in stages]
+    ax.hlines(
+        [n_micro] * len(stages), left, right, colors="C0", linestyles="--", label="GPipe model: M"
+    )
+    model_1f1b = [min(n_micro, len(stages) - s) for s in stages]
+    ax.hlines(
+        model_1f1b, left, right, colors="C1", linestyles=":", label="1F1B model: min(M, S - s)"
+    )
+    ax.set_xticks(list(stages), [f"stage {s}" for s in stages])
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(0, n_micro * 1.4)  # room for the legend above the bars
+    ax.set_ylabel("micro-batches alive at once")
+    ax.set_title(f"saved activations per stage, S={len(stages)}, M={n_micro}")
+    ax.legend(fontsize="small", loc="upper center", ncols=2)
+    fig.tight_layout()
     return fig
