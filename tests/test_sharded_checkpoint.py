@@ -4,7 +4,8 @@ model and Adam together, exercise 1's solution), with the saved state bit for bi
 going on as on 2 ranks; the rank-0 full state dict, broadcast from rank 0, loads on 3 ranks too;
 a checkpoint of another model, of a model that is not the lesson's, and a folder without a
 checkpoint are refused with a clear message; exercise 1's check tells its solution from a stub
-and from two plausible wrong answers.
+and from two plausible wrong answers; exercise 2's check from three (torch.tensor_split's
+rows among them).
 
 The code is the lesson's own, read from its notebook (``load_lesson_code``), on a narrow model
 (WIDTH=32, DEPTH=2): two launches (save on 2 ranks, load on 3). Real processes over gloo, real
@@ -290,6 +291,17 @@ def test_exercise_2s_check_passes_the_solution_and_fails_the_stub_and_wrong_answ
         first, end = rank * want, (rank + 1) * want
         return [r for r in range(saved_ranks) if r * have < end and (r + 1) * have > first]
 
+    def split_rows(rows: int, saved_ranks: int, load_ranks: int, rank: int) -> list[int]:
+        solution(rows, saved_ranks, load_ranks, rank)  # torch.tensor_split's rows: 3, 3, 2, 2
+
+        def bounds(n: int, r: int) -> tuple[int, int]:
+            q, m = divmod(rows, n)
+            return r * q + min(r, m), (r + 1) * q + min(r + 1, m)
+
+        first, end = bounds(load_ranks, rank)
+        saved = [bounds(saved_ranks, r) for r in range(saved_ranks)]
+        return [r for r, (a, b) in enumerate(saved) if first < end and a < end and b > first]
+
     def own_rank_only(rows: int, saved_ranks: int, load_ranks: int, rank: int) -> list[int]:
         solution(rows, saved_ranks, load_ranks, rank)
         return [rank] if rank < saved_ranks else []
@@ -298,7 +310,7 @@ def test_exercise_2s_check_passes_the_solution_and_fails_the_stub_and_wrong_answ
         NAMESPACE["chunks_read"] = stub
         assert not check("exercise 2", lesson.test_chunks_read, hint="h")
         assert "FAIL  exercise 2: not implemented yet" in capsys.readouterr().out
-        for wrong in (floor_rows, own_rank_only):
+        for wrong in (floor_rows, split_rows, own_rank_only):
             NAMESPACE["chunks_read"] = wrong
             with pytest.raises(AssertionError):
                 lesson.test_chunks_read()
