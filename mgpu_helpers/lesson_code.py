@@ -95,7 +95,7 @@ def _code_cells(path: Path) -> Iterator[tuple[int, str, ast.Module]]:
 
 
 def lesson_imports(lesson: str, folder: str | Path | None = None) -> dict[str, Any]:
-    """The names bound by ``lesson``'s top-level imports, imported here (lessons 09 and 10).
+    """The names bound by ``lesson``'s top-level imports, imported here (lessons 09a, 09b, 10).
 
     The namespace :func:`load_lesson_code` needs, taken from the lesson itself rather than
     listed again by each test and benchmark. An import this Python cannot do (IPython on a bare

@@ -105,7 +105,7 @@ def comm_table(blocks: Mapping[str, Mapping[str, Mapping[str, int]] | None]) -> 
     ``blocks`` maps a block's name to :func:`module_counts`' result; a block without counts
     reads "not counted".
     """
-    lines = [f"  {'block':10} {'forward':30} {'backward':30}"]
+    lines = [f"  {'block':10} {'forward':34} {'backward':34}"]
     for name, counts in blocks.items():
         if counts is None:
             lines.append(f"  {name:10} not counted (this torch keeps no per-module counts)")
@@ -114,7 +114,7 @@ def comm_table(blocks: Mapping[str, Mapping[str, Mapping[str, int]] | None]) -> 
             ", ".join(f"{k} x{c}" for k, c in counts.get(d, {}).items()) or "-"
             for d in ("forward", "backward")
         )
-        lines.append(f"  {name:10} {f_:30} {b_:30}")
+        lines.append(f"  {name:10} {f_:34} {b_}")
     return lines
 
 
@@ -329,7 +329,7 @@ def plot_tp_schematic(n: int = 2) -> Figure:
             ax.text(x + 0.6, 0.5, label, ha="center", va="center", size="x-small")
             if i:
                 ax.annotate("", (x - 0.02, 0.5), (x - 0.28, 0.5), arrowprops={"arrowstyle": "->"})
-        ax.set(xlim=(-0.1, 1.5 * len(boxes)), ylim=(-0.1, 1.1), xticks=[], yticks=[], title=title)
+        ax.set(xlim=(-0.1, 1.5 * len(boxes)), ylim=(-0.1, 1.1))
         ax.set_title(title, size="small", loc="left")
         ax.axis("off")
     _rank_legend(fig, n, "lower center", alpha=0.35, suffix="'s part")
