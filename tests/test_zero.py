@@ -4,12 +4,14 @@ The trainers are the lesson's own code, read from its notebook (``load_lesson_co
 small model (WIDTH=7, DEPTH=2: 1,417 parameters, a count that neither 2 nor 3 ranks divide, so
 the flat vector is padded). One launch per world size serves every test of that size: the
 lesson's lockstep comparison (with a ZeRO that forgets to divide by N, which it must reject),
-train_worker's runs, and a step without a backward.
+train_worker's runs, and a step without a backward. The exercises' checks are tested against
+their solutions, stubs and plausible wrong answers (exercise 1 in launches of its own).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import time
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.exercises import check
-from mgpu_helpers.launch import launch
+from mgpu_helpers.launch import WorkerError, launch
 from mgpu_helpers.lesson_code import load_lesson_code
 from mgpu_helpers.memory import optimizer_state_bytes, tensor_bytes
 from mgpu_helpers.placement import place
@@ -243,38 +245,93 @@ def test_each_rank_holds_what_was_predicted(runs: tuple[int, list[dict[str, dict
     assert z2["gradients"] * world_size == ddp["gradients"] + 4 * pad
 
 
-def test_exercise_1s_check_passes_the_solution_and_fails_wrong_answers(
-    runs: tuple[int, list[dict[str, dict]]], capsys: pytest.CaptureFixture[str]
+def test_exercise_1s_check_passes_the_solution_and_fails_a_stub_and_wrong_answers(
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    world_size, per_rank = runs
-    namespace = {"zero_runs": per_rank[0], "n_params": N_PARAMS, "world_size": world_size}
-    names = ("predict_state_bytes", "test_predict_state_bytes")
+    """Exercise 1, zero2_step, on 2 CPU ranks and the small model: the solution passes its
+    check (bit for bit); a stub fails as not implemented; so do a step that forgets the
+    division by N, one that never copies the gathered parameters into the model, and one that
+    keeps the full gradients."""
+    namespace = {
+        **NAMESPACE, "DDPTrainer": lesson.DDPTrainer, "NOISE": lesson.NOISE, "LR": lesson.LR,
+        "make_model": functools.partial(lesson.make_model, WIDTH, DEPTH),
+        "make_batch": functools.partial(lesson.make_batch, per_rank=PER_RANK),
+        "launch": launch, "WorkerError": WorkerError, "placement": place(2, "cpu"),
+        "steps": 2, "TIMEOUT": 60, "exact": True, "tolerance": 0.0,
+    }  # fmt: skip
+    names = ("zero2_step", "zero2_worker", "test_zero2_step")
     exercise = load_lesson_code("08a", names, namespace, folder=ROOT / "notebooks")
-    exercise.test_predict_state_bytes()  # the solution passes, on what this launch measured
+    solution = exercise.zero2_step
+    exercise.test_zero2_step()
 
-    def no_padding(n: int, ranks: int, method: str) -> dict[str, int]:
-        if method == "ddp":
-            return solution(n, ranks, method)
-        shard = n // ranks  # the padding forgotten: too small whenever ranks does not divide n
-        gradients = 4 * shard if method == "zero2" else 4 * n
-        return {"parameters": 4 * (n + shard), "gradients": gradients, "optimizer": 8 * shard}
+    def no_division(params, shards, optimizer, world_size: int) -> None:  # Adam reads the sum
+        def times_n(*_: object) -> None:  # just before Adam reads them
+            for shard in shards:
+                shard.grad.mul_(world_size)
 
-    def one_moment(n: int, ranks: int, method: str) -> dict[str, int]:
-        right = solution(n, ranks, method)
-        return {**right, "optimizer": right["optimizer"] // 2}  # Adam's second moment forgotten
+        hook = optimizer.register_step_pre_hook(times_n)
+        solution(params, shards, optimizer, world_size)
+        hook.remove()
 
-    def stub(n: int, ranks: int, method: str) -> dict[str, int]:
+    def not_copied_back(params, shards, optimizer, world_size: int) -> None:  # the model stays
+        copies = [nn.Parameter(p.detach().clone()) for p in params]
+        for copy, p in zip(copies, params, strict=True):
+            copy.grad, p.grad = p.grad, None
+        solution(copies, shards, optimizer, world_size)
+
+    def keeps_gradients(params, shards, optimizer, world_size: int) -> None:  # ZeRO-1's memory
+        grads = [p.grad for p in params]
+        solution(params, shards, optimizer, world_size)
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+
+    def stub(params, shards, optimizer, world_size: int) -> None:
         raise NotImplementedError()
 
-    solution = exercise.predict_state_bytes
-    for wrong in (no_padding, one_moment):
-        namespace["predict_state_bytes"] = wrong
-        with pytest.raises(AssertionError):
-            exercise.test_predict_state_bytes()
-    namespace["predict_state_bytes"] = stub
-    verdict = check("exercise 1: predict_state_bytes", exercise.test_predict_state_bytes, hint="-")
-    assert verdict is False
-    assert "not implemented yet" in capsys.readouterr().out
+    expected = {no_division: "the gradient Adam read", not_copied_back: "the parameters are",
+                keeps_gradients: "kept a full gradient", stub: "not implemented yet"}  # fmt: skip
+    try:
+        for wrong, message in expected.items():
+            namespace["zero2_step"] = wrong
+            assert not check("exercise 1: zero2_step", exercise.test_zero2_step, hint="-")
+            assert message in capsys.readouterr().out, wrong.__name__
+    finally:
+        namespace["zero2_step"] = solution
+
+
+def test_exercise_2s_check_passes_the_solution_and_fails_a_stub_and_wrong_answers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Exercise 2, sent_per_step (section 2.4 names the collectives, not their bytes): the
+    solution passes; a stub fails as not implemented; so do ZeRO-1 counted as the ZeRO paper's
+    (a reduce-scatter, not an all-reduce) and ZeRO's collectives counted without the padding."""
+    namespace = {"math": math, "shard_layout": lesson.shard_layout, "n_params": N_PARAMS,
+                 "world_size": 3}  # fmt: skip
+    names = ("sent_per_step", "test_sent_per_step")
+    exercise = load_lesson_code("08a", names, namespace, folder=ROOT / "notebooks")
+    solution = exercise.sent_per_step
+    exercise.test_sent_per_step()
+
+    def papers_zero1(n: int, ranks: int, method: str) -> float:
+        return solution(n, ranks, "zero2" if method == "zero1" else method)
+
+    def no_padding(n: int, ranks: int, method: str) -> float:
+        return solution(n, ranks, method) if method == "ddp" else solution(n, ranks, "ddp") * (
+            1.5 if method == "zero1" else 1.0)
+
+    def stub(n: int, ranks: int, method: str) -> float:
+        raise NotImplementedError()
+
+    try:
+        for wrong in (papers_zero1, no_padding):
+            namespace["sent_per_step"] = wrong
+            with pytest.raises(AssertionError):
+                exercise.test_sent_per_step()
+        namespace["sent_per_step"] = stub
+        assert not check("exercise 2: sent_per_step", exercise.test_sent_per_step, hint="-")
+        assert "not implemented yet" in capsys.readouterr().out
+    finally:
+        namespace["sent_per_step"] = solution
 
 
 def test_a_bad_stage_is_refused_with_the_fix() -> None:
