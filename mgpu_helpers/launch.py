@@ -760,7 +760,7 @@ class _Printer:
 
 
 # Lesson 10's entry on each signal, where one explains it (see mgpu_helpers.troubleshooting).
-_SIGNAL_ENTRIES = {"SIGKILL": 5, "SIGABRT": 8}
+_SIGNAL_ENTRIES = {"SIGKILL": 5, "SIGABRT": 8, "SIGBUS": 20}
 _SIGNAL_CAUSES = {
     "SIGKILL": "the out-of-memory killer sends SIGKILL, and so does `kill -9`",
     "SIGSEGV": "a crash in C/C++ code",

@@ -213,7 +213,7 @@ def test_a_worker_that_cannot_be_pickled_is_refused_saying_what_to_pass(tmp_path
     with open(tmp_path / "notes.txt", "w") as handle:
         with pytest.raises(ValueError, match=r"uses `handle` \(a _io.TextIOWrapper\)"):
             launch(lambda env: handle.write(str(env.rank)), 2, device="cpu")
-    refusal = r"argument 1 \(a _thread.lock\).*plain values .*; see lesson 10 .*, entry 1: "
+    refusal = r"argument 1 \(a _thread.lock\).*plain values .*; see lesson 10b .*, entry 1: "
     with pytest.raises(ValueError, match=refusal):
         launch(rank_sum, 2, threading.Lock(), device="cpu")
     assert "launching" not in capsys.readouterr().out

@@ -30,6 +30,8 @@ def dies_in_a_collective(env: DistEnv, how: str) -> None:
         print("last words, no newline", end="")
         if how == "exit":
             os._exit(7)
+        if how == "bus":  # what touching a full /dev/shm does to a process
+            os.kill(os.getpid(), signal.SIGBUS)
         os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer does
     dist.barrier()
 
@@ -42,7 +44,11 @@ def returns_while_rank_0_waits(env: DistEnv) -> int:
 
 @pytest.mark.parametrize(
     ("how", "exitcode", "described"),
-    [("exit", 7, "exited with code 7"), ("kill", -9, "was killed by SIGKILL")],
+    [
+        ("exit", 7, "exited with code 7"),
+        ("kill", -9, "was killed by SIGKILL"),
+        ("bus", -7, "was killed by SIGBUS"),
+    ],
 )
 def test_a_rank_that_dies_in_a_collective_is_named_with_its_exit(
     how: str, exitcode: int, described: str, capsys, tmp_path
@@ -58,8 +64,9 @@ def test_a_rank_that_dies_in_a_collective_is_named_with_its_exit(
         assert f"see its log: {logs / 'rank1.log'}" in message  # the path, not just "its log"
         assert error.log == logs / "rank1.log"
         assert "last words, no newline" in error.details  # the tail of its log
-        # SIGKILL points to lesson 10's entry on a killed rank; an exit code to none
+        # SIGKILL points to the entry on a killed rank, SIGBUS to /dev/shm's; an exit code to none
         assert ("entry 5: a rank killed (out of host memory)" in message) == (how == "kill")
+        assert ("entry 20: `/dev/shm` too small in a container" in message) == (how == "bus")
         assert "\n  rank 0 " in message  # what the survivor saw comes as a consequence
         out = capsys.readouterr().out
         # Its last lines before the abrupt end reached the notebook, not only its log.
@@ -78,7 +85,8 @@ def test_a_rank_that_returned_while_another_waits_in_a_collective_is_named() -> 
         assert error.collective == "barrier"
         assert "rank 0 failed while waiting in a collective (barrier)" in message
         assert "rank 1 had already returned" in message
-        assert "lesson 10 (notebooks/10_troubleshooting.ipynb), entry 6: a collective" in message
+        pointer = "lesson 10b (notebooks/10b_processes_and_hangs.ipynb), entry 6: a collective"
+        assert pointer in message
         assert str(error.log) in message and error.log.name == "rank0.log"  # also with echo=False
     assert rank_children() == []
 

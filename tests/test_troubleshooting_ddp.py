@@ -1,14 +1,16 @@
-"""Lesson 10, section 3 and exercise 2: DDP's errors and silent mistakes, entries 9 to 15.
+"""Lesson 10c: DDP's errors and silent mistakes (entries 9 to 14, 18 and 19), both exercises.
 
 The code is the lesson's own, read from its notebook (``load_lesson_code``): one launch of two
-CPU ranks over gloo runs every in-rank demonstration (entries 10 to 14) and the tests check the
-error class and a fragment of each message, or the numbers of each silent mistake, and that each
-fix works. Entries 9 and 12 need one process. GPU-marked tests run entry 9 on CUDA, entry 15's
-out-of-memory error, and entries 10 to 14 (SyncBatchNorm included) with NCCL on two GPUs.
+CPU ranks over gloo runs every in-rank demonstration (entries 10 to 14 and 18) and the tests
+check the error class and a fragment of each message, or the numbers of each silent mistake, and
+that each fix works. Entries 9 and 12 need one process. GPU-marked tests run entry 9 on CUDA,
+entry 19's checkpoint loaded on two GPUs, and entries 10 to 14 and 18 (SyncBatchNorm included)
+with NCCL on two GPUs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,24 +19,45 @@ from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from mgpu_helpers.exercises import check
+from mgpu_helpers.failures import caught
 from mgpu_helpers.launch import launch
 from mgpu_helpers.lesson_code import lesson_imports, load_lesson_code
 from mgpu_helpers.placement import place
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMESPACE = {
-    **lesson_imports("10", ROOT / "notebooks"),  # the lesson's own imports
-    "SEED": 0,  # the head's parameter
+    **lesson_imports("10c", ROOT / "notebooks"),  # the lesson's own imports
+    "SEED": 0, "WORLD_SIZE": 2, "JOB_TIMEOUT": 60,  # the head's parameters
+    "cpu_placement": place(2, "cpu"),
     "wrapped_state": None, "inner_state": None,  # entry 12's checkpoints, which exercise 2 reads
 }  # fmt: skip
 NAMES = (
-    "caught", "device_ids_for",
-    "case_device_ids", "Skipping", "case_unused", "case_checkpoint", "case_sampler",
-    "bn_model", "bn_train_eval", "case_batchnorm", "ddp_cases", "shared_fraction",  # section 3
-    "load_plain", "test_load_plain",  # exercise 2
+    "device_ids_for",
+    "case_device_ids", "Skipping", "SharedCheckpointed", "two_steps", "case_unused",
+    "case_ready_twice", "case_checkpoint", "case_sampler", "bn_model", "bn_train_eval",
+    "case_batchnorm", "ddp_cases", "load_on_rank", "shared_fraction",  # the entries
+    "load_plain", "test_load_plain",  # exercise 1
+    "ranks_share_samples", "sharing_on_two_loaders", "test_ranks_share_samples",  # exercise 2
 )  # fmt: skip
-lesson = load_lesson_code("10", NAMES, NAMESPACE, folder=ROOT / "notebooks")
+lesson = load_lesson_code("10c", NAMES, NAMESPACE, folder=ROOT / "notebooks")
 PLAIN_MODEL = lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))  # noqa: E731
+
+
+def stub_and_wrong_answers_fail(
+    name: str, test: Callable[[], None], stub: Callable, wrong: list[Callable], capsys
+) -> None:
+    """The exercise's check says "not implemented yet" for ``stub`` and fails each ``wrong``."""
+    solution = NAMESPACE[name]
+    try:
+        NAMESPACE[name] = stub
+        assert not check(name, test, hint="h")
+        assert "not implemented yet" in capsys.readouterr().out
+        for answer in wrong:
+            NAMESPACE[name] = answer
+            with pytest.raises(AssertionError):
+                test()
+    finally:
+        NAMESPACE[name] = solution
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +85,13 @@ def check_cases(cases: list[dict]) -> None:
                 result[11][option]["body_grad"], cases[0][11][option]["body_grad"]
             )
         torch.testing.assert_close(result[10]["grad"], cases[0][10]["grad"])
+        kind, message = result[18]["broken"]
+        assert kind == "RuntimeError" and "Expected to mark a variable ready only once" in message
+        for fix in ("use_reentrant=False", "static_graph=True"):
+            torch.testing.assert_close(result[18][fix], cases[0][18][fix])
+        torch.testing.assert_close(
+            result[18]["use_reentrant=False"], result[18]["static_graph=True"]
+        )
         assert result[13]["no_set_epoch"][0] == result[13]["no_set_epoch"][1]
         assert result[13]["set_epoch"][0] != result[13]["set_epoch"][1]
     for way, shared in (("plain", 1.0), ("no_set_epoch", 0.0), ("set_epoch", 0.0)):
@@ -75,20 +105,18 @@ def check_cases(cases: list[dict]) -> None:
 
 
 def test_entry_9_meta_and_cpu_raise_the_same_class_with_another_text() -> None:
-    mismatch = lesson.caught(lambda: nn.Linear(4, 2).to("meta")(torch.randn(3, 4)))
+    mismatch = caught(lambda: nn.Linear(4, 2).to("meta")(torch.randn(3, 4)))
     assert mismatch is not None and mismatch[0] == "RuntimeError"
     assert "is not on the expected device" in mismatch[1]  # the fragment the lesson checks
-    assert lesson.caught(lambda: nn.Linear(4, 2)(torch.randn(3, 4))) is None
+    assert caught(lambda: nn.Linear(4, 2)(torch.randn(3, 4))) is None
 
 
 @pytest.mark.gpu
 def test_entry_9_cuda_and_cpu_say_expected_all_tensors_on_the_same_device() -> None:
-    mismatch = lesson.caught(lambda: nn.Linear(4, 2).to("cuda:0")(torch.randn(3, 4)))
+    mismatch = caught(lambda: nn.Linear(4, 2).to("cuda:0")(torch.randn(3, 4)))
     assert mismatch is not None and mismatch[0] == "RuntimeError"
     assert "Expected all tensors to be on the same device" in mismatch[1]
-    assert (
-        lesson.caught(lambda: nn.Linear(4, 2).to("cuda:0")(torch.randn(3, 4).to("cuda:0"))) is None
-    )
+    assert caught(lambda: nn.Linear(4, 2).to("cuda:0")(torch.randn(3, 4).to("cuda:0"))) is None
 
 
 def test_entries_10_to_14_on_two_cpu_ranks(cases: list[dict]) -> None:
@@ -103,7 +131,7 @@ def test_entry_12_prefix_error_and_both_fixes(cases: list[dict]) -> None:
     assert all(k.startswith("module.") for k in wrapped) and not any(
         k.startswith("module.") for k in inner
     )
-    kind, message = lesson.caught(lambda: PLAIN_MODEL().load_state_dict(wrapped))
+    kind, message = caught(lambda: PLAIN_MODEL().load_state_dict(wrapped))
     assert kind == "RuntimeError"
     assert (
         "Missing key(s) in state_dict" in message
@@ -119,7 +147,7 @@ def test_entry_12_prefix_error_and_both_fixes(cases: list[dict]) -> None:
     )  # DDP's broadcast at the wrap
 
 
-def test_exercise_2_passes_the_solution_and_fails_the_stub_and_wrong_answers(
+def test_exercise_1_passes_the_solution_and_fails_the_stub_and_wrong_answers(
     cases: list[dict], capsys: pytest.CaptureFixture[str]
 ) -> None:
     NAMESPACE["wrapped_state"], NAMESPACE["inner_state"] = (
@@ -127,7 +155,6 @@ def test_exercise_2_passes_the_solution_and_fails_the_stub_and_wrong_answers(
         cases[0][12]["inner"],
     )
     lesson.test_load_plain()
-    solution = lesson.load_plain
 
     def stub(model: nn.Module, state: dict) -> None:
         raise NotImplementedError()
@@ -138,16 +165,9 @@ def test_exercise_2_passes_the_solution_and_fails_the_stub_and_wrong_answers(
     def not_strict(model: nn.Module, state: dict) -> None:  # silences the error, loads nothing
         model.load_state_dict(state, strict=False)
 
-    try:
-        NAMESPACE["load_plain"] = stub
-        assert not check("exercise 2", lesson.test_load_plain, hint="h")
-        assert "not implemented yet" in capsys.readouterr().out
-        for wrong in (blind_slice, not_strict):
-            NAMESPACE["load_plain"] = wrong
-            with pytest.raises(AssertionError):
-                lesson.test_load_plain()
-    finally:
-        NAMESPACE["load_plain"] = solution
+    stub_and_wrong_answers_fail(
+        "load_plain", lesson.test_load_plain, stub, [blind_slice, not_strict], capsys
+    )
 
 
 @pytest.mark.multigpu
@@ -159,11 +179,34 @@ def test_entries_10_to_14_with_nccl_and_syncbatchnorm_on_two_gpus() -> None:
     assert "sync_error" not in results[0][14]
 
 
-@pytest.mark.gpu
-def test_entry_15_out_of_memory_names_the_allocation_and_empty_cache_runs() -> None:
-    free, _ = torch.cuda.mem_get_info(0)
-    oom = lesson.caught(lambda: torch.empty(free + 2**30, dtype=torch.uint8, device="cuda:0"))
-    assert oom is not None and oom[0] == "OutOfMemoryError" and "Tried to allocate" in oom[1]
-    assert issubclass(torch.OutOfMemoryError, RuntimeError)
-    torch.cuda.empty_cache()
-    assert torch.cuda.mem_get_info(0)[0] >= 0.9 * free  # nothing of the refused allocation stayed
+def test_exercise_2_passes_the_solution_and_fails_the_stub_and_wrong_answers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert check("exercise 2", lesson.test_ranks_share_samples, hint="h")
+
+    def stub(env, loader) -> bool:
+        raise NotImplementedError()
+
+    def own_batch_only(env, loader) -> bool:  # looks at this rank's batch alone: repeated ids?
+        (first,) = next(iter(loader))
+        return len(set(first.tolist())) < len(first)
+
+    def always(env, loader) -> bool:
+        return True
+
+    wrong = [own_batch_only, always]
+    stub_and_wrong_answers_fail(
+        "ranks_share_samples", lesson.test_ranks_share_samples, stub, wrong, capsys
+    )
+
+
+@pytest.mark.multigpu
+def test_entry_19_a_checkpoint_saved_on_cuda0_loads_there_without_map_location(
+    tmp_path: Path,
+) -> None:
+    saved = tmp_path / "checkpoint.pt"
+    torch.save({"weight": torch.ones(4, device="cuda:0")}, saved)
+    gpus = place(2, "cuda")
+    unmapped = launch(lesson.load_on_rank, gpus, str(saved), False, timeout=60, echo=False)
+    mapped = launch(lesson.load_on_rank, gpus, str(saved), True, timeout=60, echo=False)
+    assert unmapped == ["cuda:0", "cuda:0"] and mapped == ["cuda:0", "cuda:1"]

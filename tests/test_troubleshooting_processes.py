@@ -1,10 +1,10 @@
-"""Lesson 10, sections 1 and 2 and exercise 1: starting processes and hangs, for real.
+"""Lesson 10b: starting processes and hangs, for real, with both exercises.
 
 The code is the lesson's own, read from its notebook (``load_lesson_code``): each test runs an
 entry's broken worker, checks the error's type and a fragment of its message, then runs the fix.
 Deliberate hangs wait ``HANG`` seconds. Entry 1 runs in a fresh interpreter started with ``-c``,
-whose ``__main__`` has no file, as a notebook kernel's has none. Entries 2 and 4 (and 8's
-``NCCL_DEBUG=INFO`` lines) need a GPU: marked ``gpu``.
+whose ``__main__`` has no file, as a notebook kernel's has none. Entries 2 and 4 need a GPU:
+marked ``gpu``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.exercises import check
+from mgpu_helpers.failures import report, where_ranks_waited
 from mgpu_helpers.jobs import free_port
 from mgpu_helpers.launch import WorkerError, launch
 from mgpu_helpers.lesson_code import lesson_function, lesson_imports, load_lesson_code
@@ -36,30 +36,29 @@ HANG = 3  # seconds a deliberate hang waits here (the lesson's hang_timeout)
 WORLD_SIZE = 2
 CPU = place(WORLD_SIZE, "cpu")
 NAMESPACE = {
-    **lesson_imports("10", NOTEBOOKS),  # the lesson's own imports
+    **lesson_imports("10b", NOTEBOOKS),  # the lesson's own imports
     # the head's parameters and set-up, for the tests
     "WORLD_SIZE": WORLD_SIZE, "SEED": 0, "JOB_TIMEOUT": 60, "hang_timeout": HANG,
     "cpu_placement": CPU,
 }  # fmt: skip
 NAMES = (
-    "tidy", "key_lines", "report",  # section 1's first cell
     "hello", "ones_total", "join_group", "killed_rank",  # section 1
-    "save_then_continue", "where_ranks_waited", "mismatched_collectives",
-    "save_then_continue_fixed", "uneven_steps",  # section 2
+    "save_then_continue", "mismatched_collectives", "save_then_continue_fixed",
+    "uneven_steps", "skip_on_nan", "evaluate_on_rank0",  # section 2
     "mistakes_of", "gather_mistakes", "fixed_worker", "test_fixed_worker",  # exercise 1
+    "val_loss", "train_epoch", "train_until_told", "test_train_until_told",  # exercise 2
 )  # fmt: skip
-lesson = load_lesson_code("10", NAMES, NAMESPACE, folder=NOTEBOOKS)
+lesson = load_lesson_code("10b", NAMES, NAMESPACE, folder=NOTEBOOKS)
 
 
+@pytest.mark.slow  # make test-long: mp.spawn's children import torch; 10b's notebook runs the rest
 def test_entry1_notebook_function_under_mp_spawn() -> None:
     """A function of a file-less ``__main__``: the lesson's two steps and mp.spawn itself agree."""
     code = "\n\n".join(
         [
-            "import multiprocessing, os, re, sys, tempfile\nimport torch.multiprocessing as mp",
-            lesson_function("10", "tidy", NOTEBOOKS),
-            lesson_function("10", "key_lines", NOTEBOOKS),
-            lesson_function("10", "hello", NOTEBOOKS),
-            lesson_function("10", "start_like_mp_spawn", NOTEBOOKS),
+            "import os\nimport torch.multiprocessing as mp\n"
+            "from mgpu_helpers.failures import key_lines, start_like_mp_spawn",
+            lesson_function("10b", "hello", NOTEBOOKS),
             "caught, said = start_like_mp_spawn(hello, 2, 60)\n"
             "print(type(caught).__name__, caught)\nprint('\\n'.join(key_lines(said, 'Error:')))",
             # mp.spawn itself (one child: quicker); its child writes to this process's stderr
@@ -67,8 +66,14 @@ def test_entry1_notebook_function_under_mp_spawn() -> None:
             "    print('mp.spawn:', type(exc).__name__, exc)",
         ]
     )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env=env,
     )
     out = done.stdout.splitlines()
     exited = r"ProcessExitedException process [01] terminated with exit code 1"
@@ -95,8 +100,8 @@ def test_entry3_port_taken_then_a_free_port() -> None:
     exc = caught.value
     assert exc.rank == 0 and exc.collective == "init_process_group"
     assert "torch.distributed.DistNetworkError" in exc.details and "EADDRINUSE" in exc.details
-    assert "its error: torch.distributed.DistNetworkError" in "\n".join(lesson.report(exc))
-    assert "EADDRINUSE" in " ".join(lesson.report(exc))
+    assert "its error: torch.distributed.DistNetworkError" in "\n".join(report(exc))
+    assert "EADDRINUSE" in " ".join(report(exc))
     totals = launch(lesson.join_group, CPU, free_port(), init_process_group=False, timeout=60,
                     echo=False)  # fmt: skip
     assert totals == [2.0, 2.0]
@@ -107,7 +112,7 @@ def test_entry5_a_rank_killed_by_sigkill() -> None:
         launch(lesson.killed_rank, CPU, timeout=60, echo=False)
     exc = caught.value
     assert exc.rank == 1 and exc.how == "killed by SIGKILL" and exc.exitcode == -signal.SIGKILL
-    assert "killed by SIGKILL" in lesson.report(exc)[0]
+    assert "killed by SIGKILL" in report(exc)[0]
 
 
 def test_entry6_collective_on_rank0_only_dumps_detail_and_fix(tmp_path: Path) -> None:
@@ -121,7 +126,7 @@ def test_entry6_collective_on_rank0_only_dumps_detail_and_fix(tmp_path: Path) ->
     assert {exc.collective, *also} == {"barrier", "all_reduce"}, str(exc)
     assert "Timed out waiting" in exc.details and HANG <= waited < HANG + 10
     # the stack dumps say where each rank waited
-    where = lesson.where_ranks_waited(tmp_path, "save_then_continue")
+    where = where_ranks_waited(tmp_path, "save_then_continue")
     assert "dist.barrier()" in where[0] and "dist.all_reduce(total)" in where[1], where
     # TORCH_DISTRIBUTED_DEBUG=DETAIL names the two different calls
     with pytest.raises(WorkerError) as caught:
@@ -197,11 +202,67 @@ def test_exercise1_broken_report_stub_solution_and_wrong_answers(capsys) -> None
         NAMESPACE["fixed_worker"] = solution
 
 
+def test_entry16_a_step_skipped_on_one_rank_pairs_wrongly_then_hangs(tmp_path: Path) -> None:
+    with pytest.raises(WorkerError) as caught:
+        launch(lesson.skip_on_nan, CPU, 3, False, timeout=HANG, log_dir=tmp_path, echo=False)
+    exc = caught.value
+    assert exc.rank == 0 and exc.collective == "all_reduce" and exc.finished == (1,)
+    # rank 1's step 2 paired with rank 0's step 1: 1 + 2, where the right sum is 4
+    said = (tmp_path / "rank1.log").read_text()
+    assert "rank 1, step 2: the all-reduced gradient is 3\n" in said, said
+    # the fix: the verdict all-reduced, every rank skips step 1
+    agreed = launch(lesson.skip_on_nan, CPU, 3, True, timeout=HANG, echo=False)
+    assert agreed == [[0.0, 4.0], [0.0, 4.0]]
+
+
+@pytest.mark.slow  # make test-long; make test runs the same in lesson 10b's notebook
+def test_entry17_a_slow_rank_times_out_the_others_then_both_fixes() -> None:
+    work = 1.25 * HANG
+    with pytest.raises(WorkerError) as caught:
+        launch(lesson.evaluate_on_rank0, CPU, work, False, timeout=HANG, echo=False)
+    exc = caught.value
+    assert exc.rank == 1 and exc.collective == "barrier" and "Timed out" in exc.details
+    longer = launch(lesson.evaluate_on_rank0, CPU, work, False, timeout=2 * HANG, echo=False)
+    shared = launch(lesson.evaluate_on_rank0, CPU, work, True, timeout=HANG, echo=False)
+    assert max(shared) < HANG < work <= min(longer)
+
+
+def test_exercise2_stop_together_solution_stub_and_rank0_stopping_alone(capsys) -> None:
+    solution = NAMESPACE["train_until_told"]
+    try:
+        assert check("exercise 2", lesson.test_train_until_told, hint="h")
+        _exercise_variant(
+            """
+            def train_until_told(env, epochs):
+                raise NotImplementedError()
+            """
+        )
+        assert not check("exercise 2", lesson.test_train_until_told, hint="h")
+        assert "not implemented yet" in capsys.readouterr().out
+        _exercise_variant(  # rank 0 leaves the loop alone: the others wait in the next epoch
+            """
+            def train_until_told(env, epochs):
+                best = float("inf")
+                for epoch in range(epochs):
+                    train_epoch(env)
+                    if env.is_main:
+                        if val_loss(epoch) >= best:
+                            return epoch + 1
+                        best = val_loss(epoch)
+                return epochs
+            """
+        )
+        assert not check("exercise 2", lesson.test_train_until_told, hint="h")
+        assert "failed" in capsys.readouterr().out
+    finally:
+        NAMESPACE["train_until_told"] = solution
+
+
 @pytest.mark.gpu
-def test_entries_2_4_8_on_a_gpu() -> None:
-    """CUDA before a fork; two NCCL ranks on cuda:0 and gloo as the fix; NCCL_DEBUG=INFO."""
+def test_entries_2_and_4_on_a_gpu() -> None:
+    """CUDA before a fork; two NCCL ranks on cuda:0, and gloo as the fix."""
     names = ("touch_cuda", "cuda_then_fork", "both_on_gpu0")
-    gpu = load_lesson_code("10", names, NAMESPACE, folder=NOTEBOOKS)
+    gpu = load_lesson_code("10b", names, NAMESPACE, folder=NOTEBOOKS)
     assert "Cannot re-initialize CUDA in forked subprocess" in gpu.cuda_then_fork()
     assert launch(lambda env: torch.ones(1, device=env.device).add(1).item(), place(1, "cuda"),
                   timeout=60, echo=False) == [2.0]  # fmt: skip
@@ -211,13 +272,3 @@ def test_entries_2_4_8_on_a_gpu() -> None:
     assert "Duplicate GPU detected" in str(caught.value)
     assert shared.backend == "gloo"
     assert launch(lesson.ones_total, shared, timeout=60, echo=False) == [2.0, 2.0]
-    logs = Path(tempfile.mkdtemp(prefix="lesson10-nccl-"))
-    nccl_env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_FILE": str(logs / "nccl.%h.%p.log")}
-    os.environ.update(nccl_env)  # as the lesson does: the ranks get this process's environment
-    try:
-        launch(lesson.ones_total, place(1, "cuda"), timeout=60, echo=False)
-    finally:
-        for name in nccl_env:
-            del os.environ[name]
-    said = "".join(f.read_text(errors="replace") for f in logs.glob("nccl.*.log"))
-    assert "NCCL INFO" in said and "NCCL version" in said

@@ -50,9 +50,6 @@ BASELINE: dict[str, dict[str, float]] = {
     "09_tensor_and_pipeline_parallel.ipynb": {
         "words": 7492, "code": 1143, "mean": 24.24, "long": 0.19, "versions": 4, "minutes": 184.5
     },
-    "10_troubleshooting.ipynb": {
-        "words": 6981, "code": 867, "mean": 22.14, "long": 0.162, "versions": 6, "minutes": 147.2
-    },
 }  # fmt: skip
 
 _WHERE = "BASELINE in mgpu_helpers/tooling/budget.py"
