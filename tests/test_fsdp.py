@@ -6,7 +6,7 @@ FSDP2. One launch per world size: 2 ranks run section 2's tour (shapes, gradient
 steps), section 4's checkpointed FSDP2 step, and train DDP, FSDP2
 and FSDP2 in bf16 side by side; 3 ranks (rows that do not divide evenly, so padding, and float32
 sums that may round differently) run the tour and train DDP and FSDP2 again. Activation
-checkpointing on its own runs in this process.
+checkpointing on its own runs in this process. Exercise 2's check launches ranks of its own.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from torch.utils.checkpoint import checkpoint
 
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.exercises import check
-from mgpu_helpers.launch import launch
+from mgpu_helpers.launch import WorkerError, launch
 from mgpu_helpers.lesson_code import load_lesson_code
 from mgpu_helpers.memory import optimizer_state_bytes, saved_activation_bytes, tensor_bytes
+from mgpu_helpers.placement import place
 from mgpu_helpers.sharding import counted_reduce_scatters, trace_fsdp_step
 from mgpu_helpers.timing import synchronize
 
@@ -52,6 +53,7 @@ NAMESPACE = {
     "WIDTH": WIDTH, "DEPTH": DEPTH, "BATCH_SIZE": 8, "LR": 1e-3, "SEED": 0,
     "IN_FEATURES": 64, "CLASSES": 10,  # the head's `IN_FEATURES, CLASSES = 64, 10`
     "tour": [],  # section 2's per-rank results, which exercise 1's check reads (set below)
+    "launch": launch, "WorkerError": WorkerError, "placement": place(2, "cpu"), "TIMEOUT": 60,
 }  # fmt: skip
 PART_A = ("Block", "Net", "make_model", "make_batch", "DDPTrainer", "train_worker")  # 08a
 NAMES = (
@@ -60,7 +62,7 @@ NAMES = (
     "init_like_full_build", "meta_worker", "reduce_bytes", "TiedNet", "tied_worker",  # 3.2-3.4
     "Checkpointed", "with_checkpointing", "checkpointed_fsdp",  # section 4
     "fsdp_local_rows", "test_fsdp_local_rows",  # exercise 1
-    "checkpointed_activation_bytes", "test_checkpointed_activation_bytes",  # exercise 2
+    "build_sharded", "build_worker", "test_build_sharded",  # exercise 2
 )  # fmt: skip
 lesson = types.SimpleNamespace(
     **vars(load_lesson_code("08a", PART_A, NAMESPACE, folder=ROOT / "notebooks")),
@@ -310,30 +312,74 @@ def test_exercise_1_passes_the_solution_and_fails_the_stub_and_wrong_answers(
 def test_exercise_2_passes_the_solution_and_fails_the_stub_and_wrong_answers(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    lesson.test_checkpointed_activation_bytes()  # the solution passes, against real models
-    solution = lesson.checkpointed_activation_bytes
+    """build_sharded on 2 CPU ranks: the solution passes; a stub fails as not implemented; so
+    do the tied modules sharded in two groups (refused at the first forward), a fill that reuses
+    init_like_full_build (it knows no Embedding, and overwrites the tied weight as a Linear's),
+    and a fill without the seed."""
+    lesson.test_build_sharded()  # the solution passes
+    solution = lesson.build_sharded
 
-    def stub(batch: int, width: int, depth: int, every: int) -> int:
+    def stub(env: DistEnv) -> nn.Module:
         raise NotImplementedError()
 
-    def no_head(batch: int, width: int, depth: int, every: int) -> int:  # the head's input lost
-        return solution(batch, width, depth, every) - 4 * batch * width
+    def built(env: DistEnv, groups: tuple[str, ...], seed: int | None) -> nn.Module:
+        """TiedNet on meta, `groups` and the root sharded, to_empty, filled (seed=None: by 08b)."""
+        with torch.device("meta"):
+            model = lesson.TiedNet()
+        for name in groups:
+            fully_shard(getattr(model, name), mesh=lesson.make_mesh(env))
+        fully_shard(model, mesh=lesson.make_mesh(env))
+        model.to_empty(device=env.device)
+        if seed is None:
+            lesson.init_like_full_build(model, env)
+            return model
+        torch.manual_seed(seed)
+        for module in (model.embed, model.mix):
+            full = nn.Embedding(10, WIDTH) if module is model.embed else nn.Linear(WIDTH, WIDTH)
+            for name, p in module.named_parameters(recurse=False):
+                start = env.rank * -(-p.shape[0] // env.world_size)
+                with torch.no_grad():
+                    p.to_local().copy_(getattr(full, name)[start : start + p.to_local().shape[0]])
+        return model
 
-    def every_kth_from_k(batch: int, width: int, depth: int, every: int) -> int:  # k-1, 2k-1, ...
-        solution(batch, width, depth, every)  # the same errors for bad input
-        wrapped = depth // every if every else 0
-        return 4 * batch * (wrapped * width + (depth - wrapped) * (10 * width + 2) + width)
+    def two_groups(env: DistEnv) -> nn.Module:  # embed and head each in a group of its own
+        return built(env, ("embed", "head", "mix"), NAMESPACE["SEED"])
 
-    try:
-        NAMESPACE["checkpointed_activation_bytes"] = stub
-        assert not check("exercise 2", lesson.test_checkpointed_activation_bytes, hint="h")
-        assert "FAIL  exercise 2: not implemented yet" in capsys.readouterr().out
-        for wrong in (no_head, every_kth_from_k):
-            NAMESPACE["checkpointed_activation_bytes"] = wrong
-            with pytest.raises(AssertionError):
-                lesson.test_checkpointed_activation_bytes()
+    def lessons_fill(env: DistEnv) -> nn.Module:
+        return built(env, ("mix",), None)
+
+    def no_seed(env: DistEnv) -> nn.Module:  # another seed than SEED
+        return built(env, ("mix",), NAMESPACE["SEED"] + 1)
+
+    def by_hand(env: DistEnv) -> nn.Module:  # the helper's right case: it must pass
+        return built(env, ("mix",), NAMESPACE["SEED"])
+
+    def each_answer(env: DistEnv, answers: dict) -> dict[str, str]:
+        """The check's worker on every answer, in one launch: what it returned or raised."""
+        seen = {}
+        for name, answer in answers.items():
+            lesson.build_worker.__globals__["build_sharded"] = answer  # this process's copy
+            try:
+                seen[name] = f"returned {lesson.build_worker(env):.1e}"
+            except (AssertionError, ValueError) as exc:  # raised alike on every rank
+                seen[name] = f"{type(exc).__name__}: {exc}"
+        return seen
+
+    answers = {"by hand": by_hand, "two groups": two_groups, "08b's fill": lessons_fill,
+               "no seed": no_seed}  # fmt: skip
+    seen = launch(each_answer, NAMESPACE["placement"], answers, echo=False, timeout=60)[0]
+    assert seen["by hand"].startswith("returned"), seen  # the helper's right case passes
+    assert float(seen["by hand"].split()[-1]) < 1e-6, seen
+    # in two groups the tie does not survive to_empty (torch 2.14), or the first forward refuses it
+    assert "keep the tie" in seen["two groups"] or "ValueError" in seen["two groups"], seen
+    for name in ("08b's fill", "no seed"):
+        assert "AssertionError" in seen[name] and "differ from TiedNet()" in seen[name], seen
+    try:  # the check itself turns a stub's NotImplementedError in the ranks into "not implemented"
+        NAMESPACE["build_sharded"] = stub
+        assert not check("exercise 2", lesson.test_build_sharded, hint="h")
+        assert "not implemented yet" in capsys.readouterr().out
     finally:
-        NAMESPACE["checkpointed_activation_bytes"] = solution
+        NAMESPACE["build_sharded"] = solution
 
 
 @pytest.mark.gpu
