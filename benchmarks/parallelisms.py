@@ -1,9 +1,10 @@
 """Data, tensor, pipeline and 2-D parallelism side by side: step time, traffic, memory (lesson 09)
 
-Lesson 09 splits one model four ways with PyTorch's own APIs. This script runs that code as the
-lesson's cells write it (read from the notebook with mgpu_helpers.lesson_code.load_lesson_code:
-make_model, make_batch, make_mesh, apply_tp, make_stage, make_pipeline, pipeline_step,
-apply_2d), on the same model and the same global batch per step, in ONE launch of N ranks:
+Lessons 09a and 09b split one model four ways with PyTorch's own APIs. This script runs that
+code as the lessons' cells write it (read from the notebooks with
+mgpu_helpers.lesson_code.load_lesson_code: 09a's make_model, make_batch, make_mesh, apply_tp;
+09b's make_stage, make_pipeline, pipeline_step, apply_2d), on the same model and the same global
+batch per step, in ONE launch of N ranks:
 
   one device  the unsplit model on rank 0 (the others wait): the baseline
   DDP         every rank the whole model, 1/N of the batch; gradients all-reduced
@@ -48,6 +49,7 @@ import argparse
 import statistics
 import sys
 import time
+import types
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -80,20 +82,23 @@ NOISY = 0.5  # a spread (max - min) / median of the rounds above this is called 
 UNTIMED = 2  # steps left out of every run's timing: set-up, DDP's bucket rebuild
 KINDS = ("parameters", "gradients", "optimizer")
 
-# The lesson's code, run as its cells write it; the namespace holds what that code reads: the
-# lesson's imports and its head's names (main() sets the sizes before the launch).
-NAMES = (
+# The lessons' code, run as their cells write it; the namespace holds what that code reads: the
+# lessons' imports and their head's names (main() sets the sizes before the launch).
+PART_A = (
     "Attention", "FeedForward", "Layer", "Net", "make_model", "make_batch", "make_mesh", "apply_tp",
-    "make_stage", "make_pipeline", "pipeline_step", "apply_2d",
 )  # fmt: skip
+PART_B = ("make_stage", "make_pipeline", "pipeline_step", "apply_2d")
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 NAMESPACE = {
-    **lesson_imports("09", NOTEBOOKS),  # the lesson's own imports
+    **lesson_imports("09a", NOTEBOOKS),  # the lessons' own imports
+    **lesson_imports("09b", NOTEBOOKS),
     # the head's names (main() overrides the sizes)
     "WIDTH": 64, "HEADS": 4, "DEPTH": 4, "SEQ": 16, "BATCH_SIZE": 8, "MICROBATCHES": 4,
     "LR": 1e-3, "SEED": 0, "IN_FEATURES": 16, "CLASSES": 10,
 }  # fmt: skip
-lesson = load_lesson_code("09", NAMES, NAMESPACE, folder=NOTEBOOKS)
+load_lesson_code("09a", PART_A, NAMESPACE, folder=NOTEBOOKS)
+load_lesson_code("09b", PART_B, NAMESPACE, folder=NOTEBOOKS)
+lesson = types.SimpleNamespace(**{name: NAMESPACE[name] for name in PART_A + PART_B})
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -172,7 +177,7 @@ def build(
         )
         return stage_model, {"shard": 0, "per_rank": batch, "pipe": (stage, schedule)}
     mesh = meshes["dp x tp"]
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # see lesson 09, section 4
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # see lesson 09b, section 2
     model = code.apply_2d(model, mesh)
     return model, {"shard": mesh.get_local_rank("dp"), "per_rank": batch // 2}
 
@@ -312,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         p.numel() for p in lesson.make_model(args.width, args.heads, args.depth).parameters()
     )
     print(
-        f"parallelisms: the lesson 09 model, {args.depth} layers of width {args.width}, "
+        f"parallelisms: the lesson 09a model, {args.depth} layers of width {args.width}, "
         f"{args.heads} heads ({n_params / 1e6:.2f}M parameters),\n  {args.seq} tokens a sample, "
         f"{args.batch} samples a step in all; torch {torch.__version__}"
     )

@@ -1,10 +1,11 @@
-"""Lesson 09, section 3 and exercise 2: pipeline parallelism with torch.distributed.pipelining.
+"""Lesson 09b, section 1 and exercise 1: pipeline parallelism with torch.distributed.pipelining.
 
-The code is the lesson's own, read from its notebook (``load_lesson_code``), on a narrower model
-(WIDTH=16) so that the tests stay fast. One launch per world size runs section 3's worker for
-both schedules (``ScheduleGPipe`` and ``Schedule1F1B``): 2 ranks with M=4 micro-batches and 4
-ranks with M=8 (4 stages need DEPTH >= 4; M > S so that 1F1B's saving shows on stage 0).
-Cutting the model (``make_stage``) runs in this process.
+The code is the lessons' own, read from the notebooks (``load_lesson_code``: part 09a's model,
+part 09b's pipeline), on a narrower model (WIDTH=16) so that the tests stay fast. One launch per
+world size runs section 1's worker for both schedules (``ScheduleGPipe`` and ``Schedule1F1B``):
+2 ranks with M=4 micro-batches and 4 ranks with M=8 (4 stages need DEPTH >= 4; M > S so that
+1F1B's saving shows on stage 0). Each rank builds only its stage, on the meta device. Cutting
+the model (``make_stage``, ``build_stage`` and ``pipeline()``) runs in this process.
 """
 
 from __future__ import annotations
@@ -23,24 +24,28 @@ from mgpu_helpers.lesson_code import lesson_imports, load_lesson_code
 ROOT = Path(__file__).resolve().parents[1]
 DEPTH, STEPS, BATCH = 4, 2, 8
 NAMESPACE = {
-    **lesson_imports("09", ROOT / "notebooks"),  # the lesson's own imports
+    **lesson_imports("09a", ROOT / "notebooks"),  # the lessons' own imports
+    **lesson_imports("09b", ROOT / "notebooks"),
     # the head's parameters, smaller: default arguments are bound when the code is loaded
     "WIDTH": 16, "HEADS": 2, "DEPTH": DEPTH, "SEQ": 8, "BATCH_SIZE": BATCH, "LR": 1e-3, "SEED": 0,
     "IN_FEATURES": 8, "CLASSES": 4,  # the head's `IN_FEATURES, CLASSES = 16, 10`
-    "pp": [], "MICROBATCHES": 4,  # section 3's per-rank results and M, which exercise 2 reads
+    "pp": [], "peaks": {}, "MICROBATCHES": 4,  # section 1's results and M, which exercise 1 reads
 }  # fmt: skip
+PART_A = ("Attention", "FeedForward", "Layer", "Net", "make_model", "make_batch", "PARAM_ATOL")
 NAMES = (
-    "Attention", "FeedForward", "Layer", "Net", "make_model", "make_batch",  # the head
-    "make_stage", "make_pipeline", "pipeline_step", "_Saved", "StageProbe", "pipeline_worker",
-    "GRAD_RTOL", "LOSS_ATOL", "PARAM_ATOL",  # section 3
-    "pipeline_costs", "test_pipeline_costs",  # exercise 2
+    "make_stage", "build_stage", "make_pipeline", "pipeline_step", "pipeline_worker", "SCHEDULES",
+    "GRAD_RTOL", "LOSS_ATOL",  # section 1
+    "pipeline_costs", "test_pipeline_costs",  # exercise 1
 )  # fmt: skip
-lesson = load_lesson_code("09", NAMES, NAMESPACE, folder=ROOT / "notebooks")
+load_lesson_code("09a", PART_A, NAMESPACE, folder=ROOT / "notebooks")
+lesson = load_lesson_code("09b", NAMES, NAMESPACE, folder=ROOT / "notebooks")
+for name in PART_A:
+    setattr(lesson, name, NAMESPACE[name])
 SCHEDULES = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
 
 
 def run(n_ranks: int, microbatches: int, device: str = "cpu") -> list[dict]:
-    """Section 3's worker on ``n_ranks`` stages: both schedules, one launch."""
+    """Section 1's worker on ``n_ranks`` stages: both schedules, one launch."""
     return launch(
         lesson.pipeline_worker, n_ranks, SCHEDULES, STEPS, 1, microbatches,
         device=device, echo=False, timeout=90,
@@ -58,7 +63,7 @@ def four_ranks() -> list[dict]:
 
 
 def assert_like_one_device(results: list[dict]) -> None:
-    """Section 3.3's checks: gradients, losses and parameters after STEPS Adam steps."""
+    """Section 1.3's checks: gradients, losses and parameters after STEPS Adam steps."""
     full = sorted(n for n, _ in lesson.make_model().named_parameters())
     lr = NAMESPACE["LR"]
     for name in SCHEDULES:
@@ -78,17 +83,21 @@ def test_both_schedules_train_like_one_device_on_two_ranks(two_ranks: list[dict]
     assert_like_one_device(two_ranks)
 
 
+@pytest.mark.slow  # 4 ranks: make test-long (the notebook and 2 ranks run in make test)
 def test_both_schedules_train_like_one_device_on_four_ranks(four_ranks: list[dict]) -> None:
     assert_like_one_device(four_ranks)
 
 
 def test_gpipe_and_1f1b_compute_the_same_gradients(two_ranks: list[dict]) -> None:
-    for r in two_ranks:  # the same micro-batches, summed in the same order
-        assert r["GPipe"]["grad_diff"] == r["1F1B"]["grad_diff"]
+    for r in two_ranks:  # the same micro-batches, summed in the same order: bit for bit
+        assert r["GPipe"]["grads"].keys() == r["1F1B"]["grads"].keys()
+        assert all(torch.equal(g, r["1F1B"]["grads"][n]) for n, g in r["GPipe"]["grads"].items())
         assert r["GPipe"]["param_diff"] == r["1F1B"]["param_diff"]
 
 
-@pytest.mark.parametrize("fixture, micro", [("two_ranks", 4), ("four_ranks", 8)])
+@pytest.mark.parametrize(
+    "fixture, micro", [("two_ranks", 4), pytest.param("four_ranks", 8, marks=pytest.mark.slow)]
+)
 def test_activation_peaks_follow_the_schedules(
     fixture: str, micro: int, request: pytest.FixtureRequest
 ) -> None:
@@ -108,6 +117,7 @@ def test_activation_peaks_follow_the_schedules(
             assert r[name]["peak_bytes"] <= 1.1 * r[name]["peak_micro"] * per_micro
 
 
+@pytest.mark.slow
 def test_timelines_hold_a_forward_and_a_backward_per_micro_batch(four_ranks: list[dict]) -> None:
     for name in SCHEDULES:
         for r in four_ranks:
@@ -150,10 +160,49 @@ def test_the_stage_of_one_stage_is_the_whole_model() -> None:
     assert torch.equal(whole(x), lesson.make_model()(x))
 
 
-def test_exercise_2_passes_the_solution_and_fails_the_stub_and_wrong_answers(
+@pytest.mark.parametrize("n_stages", [1, 2, 3, 4])
+def test_build_stage_on_meta_equals_make_model_bit_for_bit(n_stages: int) -> None:
+    full = lesson.make_model().state_dict()
+    seen = []
+    for s in range(n_stages):
+        stage = lesson.build_stage(s, n_stages, torch.device("cpu"))
+        state = stage.state_dict()
+        assert all(t.device.type == "cpu" for t in state.values())  # allocated, not meta
+        assert all(torch.equal(t, full[n]) for n, t in state.items()), (n_stages, s)
+        seen += list(state)
+    assert sorted(seen) == sorted(full)
+
+
+def test_build_stage_would_notice_a_wrong_seed() -> None:
+    stage = lesson.build_stage(0, 2, torch.device("cpu"))
+    NAMESPACE["SEED"] = 1
+    try:
+        other = lesson.build_stage(0, 2, torch.device("cpu"))
+    finally:
+        NAMESPACE["SEED"] = 0
+    assert not torch.equal(stage.embed.weight, other.embed.weight)
+
+
+@pytest.mark.slow  # a trace of a few seconds; lesson 09b's quick run checks the same cut
+def test_pipeline_split_points_give_make_stages_parameters() -> None:
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    with torch.device("meta"):
+        model = lesson.Net()
+    micro = lesson.make_batch(0, 0, 2)[0].to("meta")
+    pipe = pipeline(model, mb_args=(micro,), split_spec={"layers.2": SplitPoint.BEGINNING})
+    assert pipe.num_stages == 2
+    for s in range(2):
+        traced = sorted(n for n, _ in pipe.get_stage_module(s).named_parameters())
+        cut = sorted(n for n, _ in lesson.make_stage(lesson.make_model(), s, 2).named_parameters())
+        assert traced == cut
+
+
+def test_exercise_1_passes_the_solution_and_fails_the_stub_and_wrong_answers(
     two_ranks: list[dict], capsys: pytest.CaptureFixture[str]
 ) -> None:
     NAMESPACE["pp"], NAMESPACE["MICROBATCHES"] = two_ranks, 4
+    NAMESPACE["peaks"] = {name: [r[name]["peak_micro"] for r in two_ranks] for name in SCHEDULES}
     lesson.test_pipeline_costs()  # the solution passes, on the ranks' real counts too
     solution = lesson.pipeline_costs
 
@@ -177,8 +226,8 @@ def test_exercise_2_passes_the_solution_and_fails_the_stub_and_wrong_answers(
 
     try:
         NAMESPACE["pipeline_costs"] = stub
-        assert not check("exercise 2", lesson.test_pipeline_costs, hint="h")
-        assert "FAIL  exercise 2: not implemented yet" in capsys.readouterr().out
+        assert not check("exercise 1", lesson.test_pipeline_costs, hint="h")
+        assert "FAIL  exercise 1: not implemented yet" in capsys.readouterr().out
         for wrong in (one_too_few, all_m, s_everywhere, smaller_bubble):
             NAMESPACE["pipeline_costs"] = wrong
             with pytest.raises(AssertionError):
