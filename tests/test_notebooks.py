@@ -81,7 +81,7 @@ def verdicts(cells: list) -> dict[str, tuple[bool, str]]:
 
 # Lessons whose printed lines fit JupyterLab's output area (about 110 characters: a longer line
 # wraps inside words). The others join as their lines are shortened (issue 22).
-WITHIN_WIDTH = {"05", "06", "07", "08", "10"}  # "05", "06", "08": their parts
+WITHIN_WIDTH = {"05", "06", "07", "08", "09", "10"}  # "05", "06", "08", "09": their parts
 # Shown on purpose and not the lesson's to shorten: torchrun's warning (lesson 07, section 1).
 LONG_LINES_ALLOWED = ("Setting OMP_NUM_THREADS environment variable for each process",)
 
