@@ -6,7 +6,8 @@ module one idea a lesson teaches: ``devices``, ``placement`` and ``doctor`` (00,
 ``data_parallel`` (03), ``launch`` and ``dist_env`` (04a), ``gaps`` (04b), ``model_parallel`` (05),
 ``memory`` (05, 06, 08), ``comm`` (06), ``jobs`` (07), ``sharding`` (08),
 ``tensor_parallel`` (09), ``troubleshooting`` (10: the entries
-error messages point to), ``lesson_code`` (a lesson's code shown as a diff later on, or run by
+error messages point to), ``failures`` (10b, 10c: the harness around live failures),
+``lesson_code`` (a lesson's code shown as a diff later on, or run by
 tests and benchmarks), ``plots``, ``exercises`` and ``record`` (every lesson). Import each
 name from the module that defines it
 (``from mgpu_helpers.config import LessonConfig, apply_quick``).
