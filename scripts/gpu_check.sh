@@ -74,7 +74,7 @@ step lessons "$lessons_limit" "$PY" scripts/lesson_as_script.py run --quick \
 # The test files whose GPU tests need no Jupyter stack (the notebooks run on the CPU in CI);
 # test_torchrun_gpu.py: lesson 07's scripts/train_ddp.py under torchrun, a rank killed; the last
 # four of the line before the last: lessons 08a-08c (memory accounting, ZeRO by hand, FSDP2,
-# sharded checkpoints); then lesson 09 (tensor parallelism, pipeline schedules, the 2-D mesh); the last
+# sharded checkpoints); then lessons 09a-09b (tensor parallelism, pipelines, the 2-D mesh); the last
 # two lines: lessons 10a-10c (errors produced on GPUs: NCCL's barrier meeting an all-reduce and
 # the watchdog, device_id without set_device, a device-side assert, out of memory, CUDA before a
 # fork, NCCL on a shared GPU, a checkpoint that lands on GPU 0, DDP's entries over NCCL).
@@ -105,7 +105,7 @@ step allreduce 60 "$PY" benchmarks/allreduce.py --max-mb 64 --repeats 3 \
 # lessons 08a-08b: per-rank memory of DDP, ZeRO-1/2 and FSDP2 at 1, 2 and 4 ranks (ranks beyond the
 # GPUs run as CPU processes), and step time against DDP
 step sharding 60 "$PY" benchmarks/sharding.py --repeats 3 --out "$out/sharding.json"
-# lesson 09: one device, DDP, tensor parallel, GPipe, 1F1B and dp x tp side by side (4 ranks:
+# lessons 09a-09b: one device, DDP, tensor parallel, GPipe, 1F1B and dp x tp side by side (4 ranks:
 # CPU processes with fewer than 4 GPUs)
 step parallelisms 60 "$PY" benchmarks/parallelisms.py --repeats 3 --out "$out/parallelisms.json"
 echo "== steps:"
