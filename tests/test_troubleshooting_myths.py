@@ -200,7 +200,7 @@ def test_an_index_out_of_range_is_named_at_its_line_on_the_cpu() -> None:
 
 
 @pytest.mark.multigpu
-def test_ncclss_barrier_pairs_with_an_all_reduce_and_the_watchdog_ends_rank_0(
+def test_nccl_barrier_pairs_with_an_all_reduce_and_the_watchdog_ends_rank_0(
     tmp_path: Path,
 ) -> None:
     with pytest.raises(WorkerError) as caught_error:
