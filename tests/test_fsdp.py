@@ -78,6 +78,25 @@ TRAINERS = {
 TRAINERS_2 = ("DDP", "FSDP2")  # fp32 only: the 3-rank launch trains these two
 
 
+def forward_issue_order(env: DistEnv) -> dict[bool, list[str]]:
+    """Section 3.2's explicit forward prefetch, seen from the CPU: per setting, the order in
+    which one forward pass issues the blocks' all-gathers and the matrix multiplies."""
+    order = {}
+    for explicit in (False, True):
+        model = lesson.apply_fsdp(lesson.make_model().to(env.device), lesson.make_mesh(env))
+        if explicit:  # as meta_worker sets it
+            for block, after in zip(model.blocks, model.blocks[1:], strict=False):
+                block.set_modules_to_forward_prefetch([after])
+        x = lesson.make_batch(env.rank, 0)[0].to(env.device)
+        model(x)  # the first forward sets FSDP2 up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(x)
+        names = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start)]
+        kept = ("FSDP::all_gather (", "aten::addmm")
+        order[explicit] = [n for n in names if n.startswith(kept)]
+    return order
+
+
 def tour_and_training(env: DistEnv, composed: bool, trainers: dict) -> dict:
     """Section 3's tour, section 4's checkpointed FSDP2 (if asked), train_worker: one launch."""
     result = {"tour": lesson.fsdp_tour(env)}
@@ -89,6 +108,7 @@ def tour_and_training(env: DistEnv, composed: bool, trainers: dict) -> dict:
     result["meta"] = lesson.meta_worker(env) if composed else None
     result["reduce_bytes"] = lesson.reduce_bytes(env) if composed else None
     result["tied"] = lesson.tied_worker(env) if composed else None
+    result["issue order"] = forward_issue_order(env) if composed else None
     return result
 
 
@@ -205,6 +225,20 @@ def test_a_meta_built_model_equals_a_full_build_and_no_rank_holds_it_whole(
         assert meta["norm"] == pytest.approx(meta["reference_norm"], rel=1e-5)
         assert meta["norm"] > 0.1  # above max_norm: the clipping did scale the gradients
         assert meta["clipped_diff"] < 1e-6
+
+
+def test_explicit_forward_prefetch_issues_the_next_all_gather_before_the_compute(
+    two_ranks: list[dict],
+) -> None:
+    """Section 3.2: without it, block 0 computes (its matrix multiplies) before block 1's
+    all-gather is issued; with set_modules_to_forward_prefetch, block 1's all-gather is issued
+    right after block 0's, before any of block 0's compute (the docstring: issued earlier from
+    the CPU). Over gloo nothing overlaps; only the order changes."""
+    for rank in two_ranks:
+        for explicit, names in rank["issue order"].items():
+            first = names.index("FSDP::all_gather (blocks.0)")
+            between = names[first + 1 : names.index("FSDP::all_gather (blocks.1)")]
+            assert ("aten::addmm" in between) != explicit, (explicit, names)
 
 
 def test_reducing_in_bf16_sends_half_the_bytes(two_ranks: list[dict]) -> None:
