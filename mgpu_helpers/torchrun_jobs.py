@@ -159,19 +159,36 @@ def print_command(cmd: Sequence[str | os.PathLike[str]], label: str = "$ ") -> N
     print(" \\\n".join(lines))
 
 
-def job_output(output: str) -> str:
+def job_output(output: str, tracebacks: bool = True) -> str:
     """A job's output for printing: within 100 characters a line, without the C++ stack
-    frames of torch's warnings (counted instead) and without gloo's emoji."""
-    keep, frames = [], 0
+    frames of torch's warnings (counted instead) and without gloo's emoji. With
+    ``tracebacks=False``, a rank's Python traceback keeps only its last line, the error
+    (and the lines that chain one error to the next); its frames are counted instead."""
+    keep, frames, tb_lines = [], 0, 0
     for line in output.splitlines():
         bare = re.sub(r"^\[node \d\] ", "", line)
         if bare.startswith(("frame #", "Exception raised from ")):
             frames += 1
             continue
+        if not tracebacks and _traceback_frame(bare):
+            tb_lines += 1
+            continue
         keep.append(line)
     if frames:
         keep.append(f"({frames} lines of C++ stack frames left out)")
+    if tb_lines:
+        keep.append(f"({tb_lines} lines of the ranks' Python tracebacks left out)")
     return wrapped("\n".join(keep))
+
+
+def _traceback_frame(line: str) -> bool:
+    """True for a ``[rankN]:`` line of a Python traceback other than its error: the header,
+    a frame, its source line or a ``^^^`` marker (all indented), or a blank."""
+    found = re.match(r"\[rank\d+\]: ?(.*)", line)
+    if found is None:
+        return False
+    text = found.group(1)
+    return not text.strip() or text[0].isspace() or text.startswith("Traceback (most recent")
 
 
 def read_whoami(folder: Path, pattern: str = "rank*.json") -> list[dict[str, Any]]:

@@ -104,6 +104,36 @@ def test_wrapped_and_job_output_drop_gloos_emoji_and_cpp_frames():
     assert all(len(line) <= 100 for line in out.splitlines())
 
 
+# Rank 0's traceback as lesson 07's restart job printed it (section 5), shortened.
+RANK0_TRACEBACK = """epoch 1: train loss 2.2928, test accuracy 0.387
+rank 1: SIGKILL to myself after 23 optimizer steps (--kill-at-step)
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "/work/main/scripts/train_ddp.py", line 741, in <module>
+[rank0]:     main()
+[rank0]:            ^^^^^^^^^^^^^^^^^^
+[rank0]:
+[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:545] Connection reset by peer.
+[rank0]: Check the logs of the remote worker.
+[node 1] [rank3]:   File "train_ddp.py", line 1, in <module>
+[node 1] [rank3]: torch.distributed.DistBackendError: NCCL error
+W1203 08:32:45.931000 27327 torch/distributed/elastic/multiprocessing/api.py:1028] Sending
+2 ranks, backend gloo, rank 0 on cpu, attempt 2"""
+
+
+def test_job_output_cuts_a_ranks_traceback_to_its_error_when_asked():
+    assert job_output(RANK0_TRACEBACK) == wrapped(RANK0_TRACEBACK)  # kept by default
+    out = job_output(RANK0_TRACEBACK, tracebacks=False).splitlines()
+    assert not any("File " in line or "^^^" in line or "Traceback" in line for line in out)
+    assert out[2].startswith("[rank0]: RuntimeError: [../gloo") and "^" not in "".join(out)
+    assert out[3] == "[rank0]: Check the logs of the remote worker."  # the error's own lines
+    assert out[4] == "[node 1] [rank3]: torch.distributed.DistBackendError: NCCL error"
+    assert out[:2] == RANK0_TRACEBACK.splitlines()[:2] and out[5].startswith("W1203")
+    assert out[-2:] == [
+        "2 ranks, backend gloo, rank 0 on cpu, attempt 2",
+        "(6 lines of the ranks' Python tracebacks left out)",
+    ]
+
+
 def test_plan_runs_and_its_refusals():
     plan = plan_runs(16, 3, 5, None)
     assert plan.total_steps == 48 and plan.snapshot_steps[:4] == (5, 10, 15, 16)
