@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mgpu_helpers.devices import gpu_count
 from mgpu_helpers.exercises import check
 from mgpu_helpers.failures import caught
 from mgpu_helpers.launch import WorkerError, launch
@@ -36,6 +37,7 @@ STEPS = 3
 NAMESPACE = {
     **lesson_imports("10a", ROOT / "notebooks"),  # the lesson's own imports
     "SEED": 0, "hang_timeout": 2, "QUICK": True,
+    "n_gpus": 0,  # exercise 2's check on the CPU; the gpu test below sets the real count
     "myths": [],  # section 4's per-rank results, which exercise 3's check reads (set below)
 }  # fmt: skip
 NAMES = (
@@ -159,6 +161,22 @@ def test_exercise_2_dataparallel_gradient_solution_stub_and_ddps_answer(
     assert not outcomes["ddp"] and "differs from yours" in outcomes["ddp says"]
 
 
+@pytest.mark.gpu
+def test_exercise_2_check_runs_dataparallel_on_cuda_0(
+    myths: list[dict], capsys, monkeypatch
+) -> None:
+    # The check's GPU path: nn.DataParallel on cuda:0 (and scattered over 2+ GPUs), compared with
+    # the learner's CPU answer. A model left on the CPU would raise here (DataParallel's own check
+    # with 2+ GPUs, cross_entropy's device check with 1).
+    monkeypatch.setitem(NAMESPACE, "n_gpus", gpu_count())
+    answers = {"solution": lesson.dataparallel_gradient, "ddp": lesson.ddp_gradient}
+    outcomes = outcomes_of(
+        "dataparallel_gradient", lesson.test_dataparallel_gradient, answers, capsys
+    )
+    assert outcomes["solution"], outcomes["solution says"]
+    assert not outcomes["ddp"] and "differs from yours" in outcomes["ddp says"]
+
+
 def test_a_queued_collective_returns_before_the_late_rank_calls_it() -> None:
     delay = 1.0
     ranks = launch(lesson.queued_all_reduce, CPU, delay, timeout=60, echo=False)
@@ -176,7 +194,8 @@ def test_nccls_barrier_by_hand_pairs_with_rank_1s_all_reduce(tmp_path: Path) -> 
 
 def test_monitored_barrier_names_the_late_rank() -> None:
     said = launch(lesson.late_for_the_barrier, CPU, 1.0, timeout=60, echo=False)
-    assert re.search(r"Ranks? 1 failed to pass monitoredBarrier", said[0]), said
+    # wait_all_ranks=True: every missing rank listed, "Ranks"; the timeout in milliseconds
+    assert said[0] == "[Rank 0]: Ranks 1 failed to pass monitoredBarrier in 1000 ms", said
     assert said[1] == ""
 
 
@@ -201,8 +220,10 @@ def test_an_index_out_of_range_is_named_at_its_line_on_the_cpu() -> None:
 
 @pytest.mark.multigpu
 def test_nccl_barrier_pairs_with_an_all_reduce_and_the_watchdog_ends_rank_0(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch
 ) -> None:
+    # as the lesson does: the watchdog sleeps 4 x this after the timeout (60 s by default)
+    monkeypatch.setenv("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "500")
     with pytest.raises(WorkerError) as caught_error:
         launch(lesson.barrier_meets_all_reduce, place(2, "cuda"), False, timeout=5,
                log_dir=tmp_path, echo=False)  # fmt: skip
