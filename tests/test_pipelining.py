@@ -31,7 +31,9 @@ NAMESPACE = {
     "IN_FEATURES": 8, "CLASSES": 4,  # the head's `IN_FEATURES, CLASSES = 16, 10`
     "pp": [], "peaks": {}, "MICROBATCHES": 4,  # section 1's results and M, which exercise 1 reads
 }  # fmt: skip
-PART_A = ("Attention", "FeedForward", "Layer", "Net", "make_model", "make_batch", "PARAM_ATOL")
+PART_A = (
+    "Attention", "FeedForward", "Layer", "Net", "make_model", "make_batch", "PARAM_ATOL", "NOISE",
+)  # fmt: skip
 NAMES = (
     "make_stage", "build_stage", "make_pipeline", "pipeline_step", "pipeline_worker", "SCHEDULES",
     "GRAD_RTOL", "LOSS_ATOL",  # section 1
@@ -74,8 +76,8 @@ def assert_like_one_device(results: list[dict]) -> None:
         assert len(losses) == STEPS
         assert max(abs(a - b) for a, b in zip(losses, ref, strict=True)) < lesson.LOSS_ATOL
         assert max(r[name]["param_diff"] for r in results) <= 2 * lr * STEPS, name
-        for r in results:  # beyond PARAM_ATOL only where the gradient is rounding noise
-            assert all(n.endswith("attn.k.bias") for n in r[name]["param_outliers"]), name
+        for r in results:  # beyond PARAM_ATOL only where one device's gradient is below NOISE
+            assert not r[name]["param_outliers"], (name, r[name]["param_outliers"])
         assert all(r[name]["losses"] == [] for r in results[:-1])  # only the last stage has them
 
 
