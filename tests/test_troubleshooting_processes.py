@@ -18,6 +18,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -227,6 +228,9 @@ def test_entry17_a_slow_rank_times_out_the_others_then_both_fixes() -> None:
     assert max(shared) < HANG < work <= min(longer)
 
 
+RANK_0 = SimpleNamespace(rank=0, is_main=True)  # what val_loss reads of rank 0's DistEnv
+
+
 def test_exercise2_stop_together_solution_stub_and_rank0_stopping_alone(capsys) -> None:
     solution = NAMESPACE["train_until_told"]
     try:
@@ -246,14 +250,34 @@ def test_exercise2_stop_together_solution_stub_and_rank0_stopping_alone(capsys) 
                 for epoch in range(epochs):
                     train_epoch(env)
                     if env.is_main:
-                        if val_loss(epoch) >= best:
+                        if val_loss(env, epoch) >= best:
                             return epoch + 1
-                        best = val_loss(epoch)
+                        best = val_loss(env, epoch)
                 return epochs
             """
         )
         assert not check("exercise 2", lesson.test_train_until_told, hint="h")
         assert "failed" in capsys.readouterr().out
+        _exercise_variant(  # every rank reads the loss itself, no collective: the text forbids it
+            """
+            def train_until_told(env, epochs):
+                best = float("inf")
+                for epoch in range(epochs):
+                    train_epoch(env)
+                    if val_loss(env, epoch) >= best:
+                        return epoch + 1
+                    best = val_loss(env, epoch)
+                return epochs
+            """
+        )
+        lessons_loss = NAMESPACE["val_loss"]
+        try:  # a loss every rank may read, as before: the check could not tell this answer apart
+            NAMESPACE["val_loss"] = lambda env, epoch: lessons_loss(RANK_0, epoch)
+            assert check("exercise 2", lesson.test_train_until_told, hint="h")
+        finally:
+            NAMESPACE["val_loss"] = lessons_loss
+        assert not check("exercise 2", lesson.test_train_until_told, hint="h")
+        assert "only rank 0 has the validation loss" in capsys.readouterr().out
     finally:
         NAMESPACE["train_until_told"] = solution
 
