@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+from torch.utils.data import DistributedSampler
 
 from mgpu_helpers.exercises import check
 from mgpu_helpers.failures import caught
@@ -37,7 +38,7 @@ NAMES = (
     "case_ready_twice", "case_checkpoint", "case_sampler", "bn_model", "bn_train_eval",
     "case_batchnorm", "ddp_cases", "load_on_rank", "shared_fraction",  # the entries
     "load_plain", "test_load_plain",  # exercise 1
-    "ranks_share_samples", "sharing_on_two_loaders", "test_ranks_share_samples",  # exercise 2
+    "ranks_share_samples", "sharing_on_three_loaders", "test_ranks_share_samples",  # exercise 2
 )  # fmt: skip
 lesson = load_lesson_code("10c", NAMES, NAMESPACE, folder=ROOT / "notebooks")
 PLAIN_MODEL = lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))  # noqa: E731
@@ -194,7 +195,10 @@ def test_exercise_2_passes_the_solution_and_fails_the_stub_and_wrong_answers(
     def always(env, loader) -> bool:
         return True
 
-    wrong = [own_batch_only, always]
+    def no_distributed_sampler(env, loader) -> bool:  # trusts the sampler's type, not the indices
+        return not isinstance(loader.sampler, DistributedSampler)
+
+    wrong = [own_batch_only, always, no_distributed_sampler]
     stub_and_wrong_answers_fail(
         "ranks_share_samples", lesson.test_ranks_share_samples, stub, wrong, capsys
     )
