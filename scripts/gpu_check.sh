@@ -76,8 +76,9 @@ step lessons "$lessons_limit" "$PY" scripts/lesson_as_script.py run --quick \
 # four of the line before the last: lessons 08a-08c (memory accounting, ZeRO by hand, FSDP2,
 # sharded checkpoints); then lessons 09a-09b (tensor parallelism, pipelines, the 2-D mesh); the last
 # two lines: lessons 10a-10c (errors produced on GPUs: NCCL's barrier meeting an all-reduce and
-# the watchdog, device_id without set_device, a device-side assert, out of memory, CUDA before a
-# fork, NCCL on a shared GPU, a checkpoint that lands on GPU 0, DDP's entries over NCCL).
+# the watchdog (its dump wait cut to 2 s), device_id without set_device, a device-side assert, out
+# of memory, 10a's DataParallel check on cuda:0, CUDA before a fork, NCCL on a shared GPU, a
+# checkpoint that lands on GPU 0, DDP's entries over NCCL).
 step gpu_tests 210 "$PY" -m pytest -p no:cacheprovider -q -rs -m "gpu or multigpu" \
   tests/test_data_parallel.py tests/test_ddp.py tests/test_ddp_batchnorm.py tests/test_devices.py \
   tests/test_doctor.py tests/test_devices_extra.py tests/test_launch.py \
