@@ -61,6 +61,7 @@ from torch import nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 # Run from a source checkout without installing: put the repository root on the path.
@@ -210,7 +211,10 @@ def run(env: DistEnv, name: str, sizes: dict, code: object, meshes: dict) -> dic
                 step(model, how, x, y, code)
         else:
             step(model, how, x, y, code)
-        optimizer.step()
+        # TP mixes DTensor and plain parameters; Adam's foreach path (the GPU default) needs
+        # the plain ones treated as replicated (lesson 09a, section 2.2)
+        with implicit_replication():
+            optimizer.step()
         synchronize(env.device)
         dist.barrier()  # the step ends when the slowest rank is done
         seconds.append(time.perf_counter() - start)
