@@ -4,9 +4,9 @@ The code is read from the notebook (``load_lesson_code``). The myths run in one 
 CPU ranks over gloo: each claim is checked on what the ranks return. NCCL's behaviour is checked
 as the lesson shows it on gloo (a queued collective, a barrier done by hand as NCCL does it); the
 same mistake over real NCCL, the watchdog, ``device_id`` without ``set_device``, a device-side
-assert and out of memory need GPUs (``gpu``, ``multigpu``). The last test checks that every
-entry the package's error messages point to (``mgpu_helpers.troubleshooting.ENTRIES``) is an
-entry heading of the part it names.
+assert, out of memory and exercise 2's check on ``cuda:0`` need GPUs (``gpu``, ``multigpu``).
+The last test checks that every entry the package's error messages point to
+(``mgpu_helpers.troubleshooting.ENTRIES``) is an entry heading of the part it names.
 """
 
 from __future__ import annotations
