@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .timing import measure, synchronize
+from .timing import Comparison, measure, synchronize
 
 __all__ = [
     "Event",
@@ -29,6 +29,7 @@ __all__ = [
     "Timeline",
     "as_events",
     "balance",
+    "best_pipeline_line",
     "bubble_verdict",
     "bubble_fraction",
     "busy_shares",
@@ -37,6 +38,7 @@ __all__ = [
     "layer_costs",
     "run_stages",
     "two_thread_speedup",
+    "two_thread_verdict",
     "unequal_idle",
 ]
 
@@ -266,6 +268,42 @@ def two_thread_speedup(repeats: int = 3, size: int = 512) -> float:
 
     sequential = measure(lambda: (work(), work()), "cpu", warmup=1, repeats=repeats).median
     return sequential / measure(both, "cpu", warmup=1, repeats=repeats).median
+
+
+def two_thread_verdict(speedup: float) -> str:
+    """:func:`two_thread_speedup`'s ratio and what it means, in two lines (lessons 05a, 05b).
+
+    1.5x or more counts as two free cores (05b then expects the stages to overlap); from 0.9x
+    the threads often take turns; below that, running them together costs extra time.
+    """
+    if not speedup > 0 or speedup == float("inf"):
+        raise ValueError(f"speedup={speedup!r}: pass two_thread_speedup's ratio, a positive number")
+    if speedup >= 1.5:
+        meaning = "about 2x: two free cores, so two stage threads can compute at the same time"
+    elif speedup >= 0.9:
+        meaning = "under 1.5x: the threads often take turns, as other work keeps the cores busy"
+    else:
+        meaning = "below 1x: the machine is so busy that running two threads together costs extra"
+    ratio = f"two threads at once: {speedup:.2f}x one after the other (2.00x = two free cores)"
+    return f"{ratio}\n{meaning}"
+
+
+def best_pipeline_line(micro: int, speedup: float, ideal: float, verdict: Comparison) -> str:
+    """A line naming the micro-batch sweep's best pipeline, or saying none stands out (05b).
+
+    ``speedup`` and ``ideal``: the fastest pipeline's speed and its ideal, both over the unsplit
+    model's; ``verdict``: its rounds against the naive split's. At or above its ideal (which the
+    hand-overs rule out), or with no verdict against the naive split, it is within the noise.
+    """
+    measured = f"M={micro}, {speedup:.2f}x the unsplit model (ideal {ideal:.2f}x)"
+    if speedup < ideal and verdict.meaningful:
+        return f"best pipeline: {measured}"
+    why = (
+        "at or above its ideal, which the hand-overs rule out"
+        if speedup >= ideal
+        else "no verdict against the naive split"
+    )
+    return f"fastest pipeline: {measured};\n{why}: the difference is within the noise, no best M"
 
 
 class _Saved:

@@ -28,6 +28,7 @@ from mgpu_helpers.model_parallel import (
     Event,
     Timeline,
     balance,
+    best_pipeline_line,
     bubble_fraction,
     busy_shares,
     forward_overlap,
@@ -35,8 +36,10 @@ from mgpu_helpers.model_parallel import (
     layer_costs,
     run_stages,
     two_thread_speedup,
+    two_thread_verdict,
 )
 from mgpu_helpers.models import mlp, small_cnn
+from mgpu_helpers.timing import Comparison
 
 SplitModel, gpipe_step = lesson.SplitModel, lesson.gpipe_step
 one_f_one_b_step, one_f_one_b_order = schedules.one_f_one_b_step, schedules.one_f_one_b_order
@@ -586,6 +589,48 @@ def test_cpu_timeline_counts_thread_time_not_waiting() -> None:
 def test_two_thread_speedup_is_a_ratio_of_timings() -> None:
     speedup = two_thread_speedup(repeats=1, size=256)
     assert 0 < speedup < 4  # 2 with two free cores, 1 when the threads take turns
+
+
+@pytest.mark.parametrize(
+    ("speedup", "meaning"),
+    [
+        (1.95, "two free cores"),
+        (1.5, "two free cores"),
+        (1.2, "take turns"),
+        (0.95, "take turns"),
+        (0.52, "so busy that running two threads together costs extra"),
+    ],
+)
+def test_two_thread_verdict_says_what_the_ratio_means(speedup: float, meaning: str) -> None:
+    ratio, said = two_thread_verdict(speedup).split("\n")
+    assert ratio.startswith(f"two threads at once: {speedup:.2f}x")
+    assert meaning in said and len(ratio) <= 100 and len(said) <= 100
+    assert ("below 1x" in said) == (speedup < 0.9)  # lesson 05a's run printed 0.52x
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_two_thread_verdict_refuses_what_is_no_ratio(bad: float) -> None:
+    with pytest.raises(ValueError, match="positive number"):
+        two_thread_verdict(bad)
+
+
+AGREE, TORN = Comparison((1.3, 1.2, 1.4, 1.25, 1.3)), Comparison((0.4, 2.35, 0.9, 1.6, 1.1))
+
+
+def test_best_pipeline_line_names_a_best_only_below_its_ideal_with_a_verdict() -> None:
+    assert best_pipeline_line(4, 1.42, 1.6, AGREE) == (
+        "best pipeline: M=4, 1.42x the unsplit model (ideal 1.60x)"
+    )
+    for speedup, verdict, why in [
+        (1.03, AGREE, "at or above its ideal"),  # lesson 05b's busy run: M=16 beat its 1.00x
+        (1.00, AGREE, "at or above its ideal"),
+        (0.9, TORN, "no verdict against the naive split"),  # 0.40x to 2.35x
+        (1.03, TORN, "at or above its ideal"),
+    ]:
+        line = best_pipeline_line(16, speedup, 1.0, verdict)
+        assert not line.startswith("best") and "within the noise" in line and why in line, line
+        assert line.startswith(f"fastest pipeline: M=16, {speedup:.2f}x the unsplit model")
+        assert all(len(part) <= 100 for part in line.splitlines())
 
 
 def test_the_overlap_margin_is_the_tests() -> None:
