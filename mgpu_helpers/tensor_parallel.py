@@ -157,25 +157,56 @@ def check_positive(**values: object) -> None:
             raise ValueError(f"{name}={value!r}: it must be a number > 0")
 
 
+def _heads_fix(n_heads: int, tp: int, width: int | None, names: tuple[str, str, str | None]) -> str:
+    """One change that satisfies every rule of :func:`check_heads` (lesson 09a, 09b)."""
+    heads, wide, ranks = names
+    fits = [h for h in range(tp, 8 * n_heads + tp, tp) if width is None or width % h == 0]
+    if fits:
+        h = min(fits, key=lambda c: (abs(c - n_heads), -c))
+        tip = f"for example {heads}={h}" + (f" ({wide}={width} fits)" if width is not None else "")
+    else:  # no head count fits both: change the width too
+        h = tp * -(-n_heads // tp)
+        tip = f"for example {heads}={h} and {wide}={h * max(1, (width or h) // h)}"
+    others = [d for d in range(2, n_heads + 1) if n_heads % d == 0]
+    if ranks is not None and n_heads % tp and others:
+        w = None if width is None else n_heads * max(1, width // n_heads)
+        tip += f", or {ranks}={others[0]}" + (f" and {wide}={w}" if w != width else "")
+    return tip
+
+
 def check_heads(
-    n_heads: int, tp: int, n_kv_heads: int | None = None, width: int | None = None
+    n_heads: int,
+    tp: int,
+    n_kv_heads: int | None = None,
+    width: int | None = None,
+    names: tuple[str, str, str | None] = ("n_heads", "width", "tp"),
 ) -> None:
     """Refuse head counts that tensor parallelism over ``tp`` ranks cannot split (09a, 09b).
 
     Each rank computes whole heads: ``n_heads`` (and ``n_kv_heads``, grouped-query attention's
     key and value heads) must be multiples of ``tp``, ``n_heads`` a multiple of ``n_kv_heads``,
     and ``width`` (if given) a multiple of ``n_heads``. Runs in the kernel, before any rank
-    starts, so the message comes at once instead of a shape error on every rank.
+    starts, so the message comes at once instead of a shape error on every rank. ``names``: the
+    parameters a lesson sets for the heads, the width and the ranks (None: a size it cannot
+    change); the message names every broken rule at once and one change that mends them all.
     """
     check_whole(n_heads=n_heads, tp=tp)
+    problems = []
     if width is not None:
         check_whole(width=width)
         if width % n_heads:
-            raise ValueError(
-                f"width {width} is not a multiple of {n_heads} heads: every head needs "
-                f"width // heads features; for example width={n_heads * max(1, width // n_heads)}"
+            problems.append(
+                f"{names[1]}={width} is not a multiple of {names[0]}={n_heads}: "
+                "every head needs width // heads features"
             )
-    groups = {"heads": n_heads}
+    if n_heads % tp:
+        source = f" ({names[2]})" if names[2] is not None else ""
+        problems.append(
+            f"{n_heads} heads do not split over {tp} tensor-parallel ranks{source}: each rank "
+            "computes whole heads"
+        )
+    if problems:
+        raise ValueError(";\n".join(problems) + ";\n" + _heads_fix(n_heads, tp, width, names))
     if n_kv_heads is not None:
         check_whole(n_kv_heads=n_kv_heads)
         if n_heads % n_kv_heads:
@@ -183,14 +214,12 @@ def check_heads(
                 f"{n_heads} heads do not share {n_kv_heads} key/value heads evenly: "
                 "n_heads must be a multiple of n_kv_heads"
             )
-        groups["key/value heads"] = n_kv_heads
-    for what, count in groups.items():
-        if count % tp:
-            fits = [d for d in range(1, count + 1) if count % d == 0]
+        if n_kv_heads % tp:
+            fits = [d for d in range(1, n_kv_heads + 1) if n_kv_heads % d == 0]
             raise ValueError(
-                f"{count} {what} do not split over {tp} tensor-parallel ranks: each rank computes "
-                f"whole heads;\nchoose a tensor-parallel size that divides {count} "
-                f"({', '.join(map(str, fits))}) or a multiple of {tp} {what}"
+                f"{n_kv_heads} key/value heads do not split over {tp} tensor-parallel ranks: each "
+                f"rank computes whole heads;\nchoose a tensor-parallel size that divides "
+                f"{n_kv_heads} ({', '.join(map(str, fits))}) or a multiple of {tp} key/value heads"
             )
 
 
@@ -367,7 +396,8 @@ def plot_mesh_blocks(
     """Which rank of a 2-D mesh holds which block of each matrix, found by value (09b).
 
     ``full[name]`` is a whole matrix, ``blocks[r][name]`` rank r's local block of it and
-    ``coords[r]`` its (dp, tp) coordinates. Every panel at one scale; AssertionError if a block
+    ``coords[r]`` its (dp, tp) coordinates. Every panel at one scale, each framed around its
+    matrix only (the axes' own frame hidden); AssertionError if a block
     is not contiguous rows or some element is held by no rank.
     """
     names = list(full)
@@ -396,14 +426,20 @@ def plot_mesh_blocks(
                 size="x-small",
             )
         assert (owner >= 0).all(), f"{name}: some elements are held by no rank"
+        rows, cols = matrix.shape  # the frame: the matrix only, the axes below it left blank
+        ax.add_patch(Rectangle((0, 0), cols, rows, fill=False, edgecolor="black"))
         ax.set(
-            xlim=(0, matrix.shape[1]),
+            xlim=(0, cols),
             ylim=(tallest, 0),
             aspect="equal",
             title=f"{name}\n{tuple(matrix.shape)}",
             xlabel="column (input feature)",
+            xticks=[0, cols],
+            yticks=[0, rows],
         )
         ax.title.set_size("small")
+        for side in ("top", "right", "bottom", "left"):
+            ax.spines[side].set_visible(False)
     axes[0].set_ylabel("row (output feature)")
     fig.tight_layout()
     return fig

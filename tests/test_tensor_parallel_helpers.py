@@ -129,10 +129,28 @@ def test_check_heads_refuses_what_does_not_split() -> None:
         check_heads(8, 4, n_kv_heads=2)
     with pytest.raises(ValueError, match="share 3 key/value heads"):
         check_heads(8, 2, n_kv_heads=3)
-    with pytest.raises(ValueError, match="not a multiple of 4 heads"):
+    with pytest.raises(ValueError, match="width=30 is not a multiple of n_heads=4"):
         check_heads(4, 2, width=30)
-    with pytest.raises(ValueError, match=r"divides 6 \(1, 2, 3, 6\)"):
-        check_heads(6, 4)
+    with pytest.raises(ValueError, match=r"divides 2 \(1, 2\)"):
+        check_heads(8, 4, n_kv_heads=2)
+
+
+def test_check_heads_names_every_broken_rule_and_a_change_that_mends_them() -> None:
+    lesson = ("HEADS", "WIDTH", "WORLD_SIZE")
+    with pytest.raises(ValueError) as both:  # lesson 09a's HEADS = 3: both rules at once
+        check_heads(3, 2, width=64, names=lesson)
+    lines = str(both.value).splitlines()
+    assert lines[0].startswith("WIDTH=64 is not a multiple of HEADS=3")
+    assert lines[1].startswith("3 heads do not split over 2 tensor-parallel ranks (WORLD_SIZE)")
+    assert lines[2] == "for example HEADS=4 (WIDTH=64 fits), or WORLD_SIZE=3 and WIDTH=63"
+    check_heads(4, 2, width=64)  # the first suggestion passes both rules
+    check_heads(3, 3, width=63)  # and so does the second
+    with pytest.raises(ValueError, match="for example HEADS=4 and WIDTH=60, or WORLD_SIZE=3$"):
+        check_heads(3, 2, width=63, names=lesson)  # no even head count divides 63
+    check_heads(4, 2, width=60)
+    fixed = ("HEADS", "WIDTH", None)  # lesson 09b: the mesh's tp size is not a parameter
+    with pytest.raises(ValueError, match=r"ranks: each rank computes whole heads;\n.*fits\)$"):
+        check_heads(3, 2, width=64, names=fixed)
 
 
 def test_largest_tp() -> None:
@@ -190,7 +208,14 @@ def test_plot_mesh_blocks_tiles_each_matrix() -> None:
         for r in range(4)
     ]
     fig = plot_mesh_blocks(full, blocks, [(r // 2, r % 2) for r in range(4)])
-    assert len(fig.axes) == 1 and len(fig.axes[0].patches) == 4
+    assert len(fig.axes) == 1 and len(fig.axes[0].patches) == 5  # 4 blocks and the frame
+    wide = {"w": torch.arange(32.0).reshape(2, 16), "t": torch.arange(32.0).reshape(8, 4)}
+    fig = plot_mesh_blocks(wide, [{k: v for k, v in wide.items()}], [(0, 0)])
+    ax = fig.axes[0]  # the 2 x 16 matrix beside an 8-row one: framed around its 2 rows only
+    assert not any(spine.get_visible() for spine in ax.spines.values())
+    frame = [p for p in ax.patches if not p.get_fill()]
+    assert [(p.get_width(), p.get_height()) for p in frame] == [(16, 2)]
+    assert ax.get_ylim() == (8, 0)  # every panel at the tallest matrix's scale
     with pytest.raises(AssertionError, match="held by no rank"):
         plot_mesh_blocks(full, blocks[:3], [(0, 0), (0, 1), (1, 0)])
 
