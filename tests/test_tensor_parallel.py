@@ -280,6 +280,28 @@ def test_exercise_1_check_passes_the_solution_and_fails_wrong_plans(
         NAMESPACE["llama_layer_plan"], NAMESPACE["launch"] = solution, real_launch
 
 
+def plan_wo_colwise(layer, tp):  # noqa: ANN001, ANN201
+    """A plausible wrong plan: attention's output projection column-parallel. Its input is cut
+    by features already, so DTensor's sharding propagation refuses the product on the ranks."""
+    plan, predicted = lesson.llama_layer_plan(layer, tp)
+    return plan | {"attn.wo": ColwiseParallel()}, predicted
+
+
+def test_exercise_1_a_plan_that_fails_on_the_ranks_gives_one_verdict(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A real launch of the wrong plan: the verdict names the sharding error in one line, and the
+    ranks' logs and tracebacks (torch's fake-tensor errors) stay out of the output."""
+    NAMESPACE["llama_layer_plan"] = plan_wo_colwise
+    try:
+        assert not check("exercise 1", lesson.test_llama_layer_plan, hint="h")
+    finally:
+        NAMESPACE["llama_layer_plan"] = lesson.llama_layer_plan
+    out, err = capfd.readouterr()
+    assert "a rank failed:\nSharding propagation failed for aten.mm" in out, out
+    assert "Traceback" not in out + err and "fake_tensor" not in err, err
+
+
 def check_products(ranks: list[dict], device_type: str) -> None:
     """Exercise 2's data: nine products, right on every rank; DTensor sends only where the
     solution says None (on the CPU one all-gather of an input), else the solution's placement."""
