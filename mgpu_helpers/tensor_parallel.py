@@ -5,10 +5,10 @@ Lesson 09a writes tensor parallelism in its cells (by hand, then with ``parallel
 readable names for what ``CommDebugMode`` counted (:func:`counted`, :func:`module_counts`,
 :func:`comm_table`), torch's log notes caught instead of printed (:func:`caught_log_notes`), the
 checks run in the kernel before any rank starts (:func:`check_heads`, :func:`largest_tp`,
-:func:`check_whole`, :func:`check_positive`), Megatron's f and g operators drawn
-(:func:`plot_tp_schematic`), a placement's pieces per rank (:func:`plot_placements`), the weight
-splits at one scale (:func:`plot_tp_split`) and a 2-D mesh's blocks found by value
-(:func:`locate`, :func:`plot_mesh_blocks`).
+:func:`check_whole`, :func:`check_positive`, and 09b's :func:`check_microbatches`), Megatron's f
+and g operators drawn (:func:`plot_tp_schematic`), a placement's pieces per rank
+(:func:`plot_placements`), the weight splits at one scale (:func:`plot_tp_split`) and a 2-D
+mesh's blocks found by value (:func:`locate`, :func:`plot_mesh_blocks`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from matplotlib.patches import FancyBboxPatch, Rectangle
 __all__ = [
     "caught_log_notes",
     "check_heads",
+    "check_microbatches",
     "check_positive",
     "check_whole",
     "collective_name",
@@ -221,6 +222,28 @@ def check_heads(
                 f"rank computes whole heads;\nchoose a tensor-parallel size that divides "
                 f"{n_kv_heads} ({', '.join(map(str, fits))}) or a multiple of {tp} key/value heads"
             )
+
+
+def check_microbatches(microbatches: int, batch_size: int, n_stages: int) -> None:
+    """Refuse a pipeline step that ``Schedule1F1B`` cannot run, one rule per message (09b).
+
+    1F1B starts with one micro-batch in flight per stage, so ``microbatches`` must be at least
+    ``n_stages``; the schedule cuts the batch into equal micro-batches, so ``batch_size`` must
+    be a multiple of ``microbatches``. Names the lesson's parameters (MICROBATCHES, BATCH_SIZE).
+    """
+    check_whole(MICROBATCHES=microbatches, BATCH_SIZE=batch_size, n_stages=n_stages)
+    if microbatches < n_stages:
+        raise ValueError(
+            f"MICROBATCHES={microbatches}: Schedule1F1B needs at least one micro-batch per "
+            f"stage; choose MICROBATCHES >= {n_stages} (the stages)"
+        )
+    if batch_size % microbatches:
+        fits = [m for m in range(n_stages, batch_size + 1) if batch_size % m == 0]
+        tip = f" or MICROBATCHES in {fits}" if fits else ""
+        raise ValueError(
+            f"BATCH_SIZE={batch_size} does not cut into {microbatches} equal micro-batches: "
+            f"choose a BATCH_SIZE that is a multiple of {microbatches}{tip}"
+        )
 
 
 def largest_tp(n_heads: int, n_ranks: int, n_kv_heads: int | None = None) -> int:
@@ -433,13 +456,14 @@ def plot_mesh_blocks(
             ylim=(tallest, 0),
             aspect="equal",
             title=f"{name}\n{tuple(matrix.shape)}",
-            xlabel="column (input feature)",
             xticks=[0, cols],
             yticks=[0, rows],
         )
+        ax.xaxis.tick_top()  # beside the matrix, not under the blank below a short one
         ax.title.set_size("small")
         for side in ("top", "right", "bottom", "left"):
             ax.spines[side].set_visible(False)
     axes[0].set_ylabel("row (output feature)")
+    fig.supxlabel("column (input feature)", size="small")
     fig.tight_layout()
     return fig

@@ -28,6 +28,7 @@ from mgpu_helpers.plots import plot_activation_peaks
 from mgpu_helpers.tensor_parallel import (
     caught_log_notes,
     check_heads,
+    check_microbatches,
     check_positive,
     check_whole,
     collective_name,
@@ -151,6 +152,23 @@ def test_check_heads_names_every_broken_rule_and_a_change_that_mends_them() -> N
     fixed = ("HEADS", "WIDTH", None)  # lesson 09b: the mesh's tp size is not a parameter
     with pytest.raises(ValueError, match=r"ranks: each rank computes whole heads;\n.*fits\)$"):
         check_heads(3, 2, width=64, names=fixed)
+
+
+def test_check_microbatches_gives_each_rule_its_own_message() -> None:
+    check_microbatches(4, 8, 2)
+    check_microbatches(2, 8, 2)
+    with pytest.raises(ValueError) as odd:  # enough micro-batches, but 8 samples do not cut in 3
+        check_microbatches(3, 8, 2)
+    assert str(odd.value) == (
+        "BATCH_SIZE=8 does not cut into 3 equal micro-batches: choose a BATCH_SIZE that is a "
+        "multiple of 3 or MICROBATCHES in [2, 4, 8]"
+    )
+    with pytest.raises(ValueError) as few:  # too few micro-batches, and they cut the batch evenly
+        check_microbatches(2, 8, 4)
+    assert "at least one micro-batch per stage; choose MICROBATCHES >= 4" in str(few.value)
+    assert "BATCH_SIZE" not in str(few.value)
+    with pytest.raises(ValueError, match="MICROBATCHES=0"):
+        check_microbatches(0, 8, 2)
 
 
 def test_largest_tp() -> None:
