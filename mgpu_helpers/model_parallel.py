@@ -430,23 +430,27 @@ def bubble_verdict(
     the gap to the formula gives no verdict: noise dominates.
     """
     gap = idle - model
+
+    def pts(share: float) -> str:  # a difference of two shares, in percentage points
+        return f"{100 * share:+.0f} points"
+
     if spread >= max(abs(gap), 0.05):
         return [
-            f"{name:>5}: no verdict: the idle share moved by {spread:.0%} over {timed_steps} "
-            "timed steps,",
-            f"       against {gap:+.0%} from the formula: noise dominates",
+            f"{name:>5}: no verdict: the idle share moved by {100 * spread:.0f} points over "
+            f"{timed_steps} timed steps,",
+            f"       against {pts(gap)} from the formula: noise dominates",
         ]
     if quick and spread > 0.1:
         return [
-            f"{name:>5}: no verdict in quick mode: {gap:+.0%} from the formula, but only "
-            f"{timed_steps} timed steps moving by {spread:.0%}"
+            f"{name:>5}: quick mode, no verdict: {pts(gap)} from the formula, but "
+            f"{timed_steps} timed steps moving by {100 * spread:.0f} points"
         ]
     if abs(gap) <= 0.1:
         return [
             f"{name:>5}: measured {idle:.0%} against {model:.0%}: within 10 points of the formula"
         ]
     return [
-        f"{name:>5}: measured {idle:.0%}, {gap:+.0%} against the formula's {model:.0%}; "
-        f"unequal stages explain {unequal - model:+.0%},",
-        f"       messages, the loss and waits for a core the other {idle - unequal:+.0%}",
+        f"{name:>5}: measured {idle:.0%}, {pts(gap)} against the formula's {model:.0%}; "
+        f"unequal stages explain {pts(unequal - model)},",
+        f"       messages, the loss and waits for a core the other {pts(idle - unequal)}",
     ]

@@ -284,7 +284,8 @@ def test_as_events_unequal_idle_and_the_verdict() -> None:
     assert "noise dominates" in noisy[1]
     assert "within 10 points" in bubble_verdict("1F1B", 0.25, 0.01, 0.2, 0.2, False, 10)[0]
     far = bubble_verdict("GPipe", 0.6, 0.01, 0.2, 0.3, False, 10)
-    assert "unequal stages explain +10%" in far[0] and "+30%" in far[1]
+    assert "+40 points against the formula's 20%" in far[0]  # points, not a relative +40%
+    assert "unequal stages explain +10 points" in far[0] and "+30 points" in far[1]
     assert "quick mode" in bubble_verdict("GPipe", 0.6, 0.2, 0.2, 0.3, True, 3)[0]
 
 
