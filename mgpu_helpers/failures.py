@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the launcher (and torch) only for the type: this module imp
 
 __all__ = [
     "caught",
+    "first_failure",
     "key_lines",
     "report",
     "show",
@@ -35,13 +36,15 @@ __all__ = [
 ]
 
 _SOURCE_PLACE = re.compile(r"\[/[^\]]*\] ?")  # C++ source locations: [/path/pair.cc:561]
+_ENFORCE_PATH = re.compile(r"(\[enforce fail at )/[^\]]*/")  # gloo's [enforce fail at /path/x.cc:1]
 _EMOJI = re.compile("[\U0001f000-\U0001faff\u2600-\u27bf\ufe0f]")  # gloo decorates some lines
 _LOG_POINTERS = ("; its log", "; see its log", " Its log: ")
 
 
 def tidy(line: str, width: int = 98) -> str:
     """One report line without C++ source places, emoji or log paths, cut to ``width`` (10b)."""
-    line = _EMOJI.sub("", _SOURCE_PLACE.sub("", line.strip()))
+    line = _ENFORCE_PATH.sub(r"\1", line.strip())
+    line = _EMOJI.sub("", _SOURCE_PLACE.sub("", line))
     for pointer in _LOG_POINTERS:
         line = line.split(pointer)[0]
     line = line.rstrip()
@@ -68,6 +71,20 @@ def report(exc: WorkerError) -> list[str]:
         error = textwrap.wrap("its error: " + tidy(last[0], 280), 98, subsequent_indent="  ")[:3]
     head = textwrap.wrap(tidy(summary[0], 190), 98, subsequent_indent="  ")[:2] if summary else []
     return [*head, *notes, *error]
+
+
+def first_failure(exc: WorkerError, width: int = 92) -> str:
+    """Who failed first and how, then its error's last line, whole, wrapped to ``width`` (10b).
+
+    What an exercise's check shows when a rank failed: nothing of the summary's first line or of
+    the error is cut off, and the rank is named once.
+    """
+    text = str(exc)
+    summary = text[: len(text) - len(exc.details)].splitlines()
+    last = [line for line in exc.details.strip().splitlines() if line.strip()][-1:]
+    parts = [tidy(summary[0], 10_000)] if summary else [f"rank {exc.rank} failed"]
+    parts += ["its error: " + tidy(line, 10_000) for line in last]
+    return "\n".join(textwrap.fill(part, width, subsequent_indent="  ") for part in parts)
 
 
 def caught(attempt: Callable[[], object]) -> tuple[str, str] | None:

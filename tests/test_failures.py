@@ -16,6 +16,7 @@ import torch.distributed as dist
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.failures import (
     caught,
+    first_failure,
     key_lines,
     report,
     show,
@@ -30,6 +31,8 @@ def test_tidy_drops_source_places_emoji_and_log_paths_and_cuts_long_lines() -> N
     line = "  [/pytorch/third_party/gloo/pair.cc:561] Connection closed by peer \u2753; its log: /x"
     assert tidy(line) == "Connection closed by peer"
     assert tidy("x" * 120, width=20) == "x" * 17 + "..."
+    gloo = "what():  [enforce fail at /w/gloo/tcp/pair.cc:464] op.preamble.length <= op.nbytes."
+    assert tidy(gloo) == "what():  [enforce fail at pair.cc:464] op.preamble.length <= op.nbytes."
     assert key_lines("a\nb error\nc error\n", "error", limit=1) == ["b error"]
 
 
@@ -56,6 +59,12 @@ def test_report_names_the_first_failing_rank_and_ends_with_its_error() -> None:
     assert lines[0].startswith("rank 1 failed"), lines
     assert lines[-1].startswith("its error: KeyError: 'the missing key'"), lines
     assert all(len(line) <= 100 for line in lines)
+    whole = first_failure(info.value, width=40)  # an exercise's check: nothing cut, one prefix
+    assert whole.startswith("rank 1 failed") and whole.count("rank 1 failed") == 1, whole
+    assert whole.endswith("its error: KeyError: 'the missing key'"), whole
+    assert all(len(line) <= 40 for line in whole.splitlines()) and "..." not in whole
+    first = tidy(str(info.value).splitlines()[0], 10_000)
+    assert " ".join(whole.split()).startswith(first), whole
 
 
 def dumps_then_waits(env: DistEnv, after: float) -> None:

@@ -199,6 +199,18 @@ def test_exercise1_broken_report_stub_solution_and_wrong_answers(capsys) -> None
         )
         assert not check("exercise 1", lesson.test_fixed_worker, hint="h")
         assert "expected [0, 1, 100, 101, 102]" in capsys.readouterr().out
+        _exercise_variant(  # each rank gathers into tensors of its own size: gloo aborts
+            """
+            def fixed_worker(env):
+                mine = mistakes_of(env)
+                gathered = [torch.empty_like(mine) for _ in range(env.world_size)]
+                dist.all_gather(gathered, mine)
+                return torch.cat(gathered).tolist()
+            """
+        )
+        assert not check("exercise 1", lesson.test_fixed_worker, hint="h")
+        said = capsys.readouterr().out  # the text the lesson's exercise and 10a's table name
+        assert "Received data size doesn't match expected size" in said, said
     finally:
         NAMESPACE["fixed_worker"] = solution
 
@@ -257,7 +269,9 @@ def test_exercise2_stop_together_solution_stub_and_rank0_stopping_alone(capsys) 
             """
         )
         assert not check("exercise 2", lesson.test_train_until_told, hint="h")
-        assert "failed" in capsys.readouterr().out
+        said = capsys.readouterr().out  # the launcher's whole first line, the rank named once
+        assert "rank 0 had already returned" in " ".join(said.split()), said
+        assert said.count("rank 1 failed") == 1 and "..." not in said, said
         _exercise_variant(  # every rank reads the loss itself, no collective: the text forbids it
             """
             def train_until_told(env, epochs):
