@@ -166,8 +166,15 @@ def test_exercise_1_passes_the_solution_and_fails_the_stub_and_wrong_answers(
     def not_strict(model: nn.Module, state: dict) -> None:  # silences the error, loads nothing
         model.load_state_dict(state, strict=False)
 
+    def replace_everywhere(model: nn.Module, state: dict) -> None:  # submodule.weight: subweight
+        model.load_state_dict({k.replace("module.", ""): v for k, v in state.items()})
+
     stub_and_wrong_answers_fail(
-        "load_plain", lesson.test_load_plain, stub, [blind_slice, not_strict], capsys
+        "load_plain",
+        lesson.test_load_plain,
+        stub,
+        [blind_slice, not_strict, replace_everywhere],
+        capsys,
     )
 
 
