@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import warnings
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
 from .placement import place
 
-__all__ = ["DistEnv"]
+__all__ = ["DistEnv", "exit_at_once"]
 
 
 @dataclass(frozen=True)
@@ -82,3 +84,17 @@ class DistEnv:
 def _say_once(reason: str) -> None:
     """Warn once per process that GPU ranks talk over gloo, and why (STYLE: say which)."""
     warnings.warn(f"DistEnv.from_environ chose the gloo backend: {reason}", stacklevel=3)
+
+
+def exit_at_once(code: int = 0) -> NoReturn:
+    """End a worker whose run is over without Python's shutdown (the scripts of lessons 07, 11).
+
+    After ``destroy_process_group()`` a gloo worker thread may still be letting go of the last
+    collective's tensors. If Python is shutting down when that thread asks for the interpreter
+    lock, the process aborts ("terminate called without an active exception", SIGABRT) after a
+    run that succeeded, and torchrun reports it failed: now and then, on a busy machine. Output
+    is flushed first; nothing else is left to do once the group is destroyed.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -72,7 +72,7 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: F401  (less
 
 from mgpu_helpers.config import DATASETS, MODELS, LessonConfig, apply_quick, course_root
 from mgpu_helpers.data import build_datasets, make_loader
-from mgpu_helpers.dist_env import DistEnv
+from mgpu_helpers.dist_env import DistEnv, exit_at_once
 from mgpu_helpers.lesson_code import load_lesson_code
 from mgpu_helpers.models import build_model
 from mgpu_helpers.timing import synchronize
@@ -739,3 +739,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_at_once(0)  # a gloo thread may still be busy: no Python shutdown (see its docstring)
