@@ -76,6 +76,7 @@ def reference() -> dict:
     return lesson.one_device(STEPS)
 
 
+@pytest.mark.slow  # make test-long (CI): 4 ranks; lesson 09b's quick run checks the right mesh
 def test_the_2d_mesh_trains_like_one_device_within_the_tolerance(
     mesh_runs: list[dict], reference: dict
 ) -> None:
@@ -90,6 +91,7 @@ def test_the_2d_mesh_trains_like_one_device_within_the_tolerance(
     assert runs[0]["state"] is not None and runs[1]["state"] is None  # rank 0 keeps them
 
 
+@pytest.mark.slow  # make test-long (CI): 4 ranks; lesson 09b's quick run checks the right mesh
 def test_the_check_fails_when_both_dp_rows_get_the_same_batch(
     mesh_runs: list[dict], reference: dict
 ) -> None:
@@ -98,6 +100,7 @@ def test_the_check_fails_when_both_dp_rows_get_the_same_batch(
     assert wrong["loss_rel"] > 100 * lesson.LOSS_RTOL and wrong["grad_rel"] > 0.1
 
 
+@pytest.mark.slow  # make test-long (CI): 4 ranks; lesson 09b's quick run checks the right mesh
 def test_the_check_fails_when_fsdp2_sums_the_gradients_over_dp(
     mesh_runs: list[dict], reference: dict
 ) -> None:
@@ -108,6 +111,7 @@ def test_the_check_fails_when_fsdp2_sums_the_gradients_over_dp(
     assert wrong["loss_rel"] <= lesson.LOSS_RTOL
 
 
+@pytest.mark.slow  # make test-long (CI): 4 ranks; lesson 09b's quick run checks the right mesh
 def test_what_each_rank_holds(mesh_runs: list[dict]) -> None:
     runs = [r["right"] for r in mesh_runs]
     layout = runs[0]["layout"]
@@ -139,6 +143,7 @@ def lesson_model_layers() -> list[torch.nn.Parameter]:
     return list(part_a.make_model().layers.parameters())
 
 
+@pytest.mark.slow  # make test-long (CI): 4 ranks; lesson 09b's quick run checks the right mesh
 def test_tensor_parallel_all_reduces_are_counted(mesh_runs: list[dict]) -> None:
     comms = mesh_runs[0]["right"]["comms"]
     assert comms["all-reduce"] == 4 * DEPTH  # forward: out, down; backward: the norms' outputs

@@ -59,6 +59,7 @@ def test_doctor_prints_the_findings_and_returns_their_status(monkeypatch, findin
     assert len(lines) == len(findings) + 2
 
 
+@pytest.mark.slow  # make test-long (CI): the doctor in a child; lesson 00 runs it
 def test_mgpu_doctor_command_runs():
     exe = Path(sys.executable).with_name("mgpu")
     command = [str(exe)] if exe.exists() else [sys.executable, "-m", "mgpu_helpers.tooling.cli"]

@@ -103,6 +103,7 @@ def test_the_lessons_comparison_never_has_a_test_set_that_divides_by_the_world_s
             assert len(train_set) % world_size == 0, "the sampler would repeat training samples"
 
 
+@pytest.mark.slow  # make test-long (CI): lesson 04b's quick run, which make test runs as a notebook
 def test_the_lessons_quick_run_pads_its_test_set_and_counts_each_sample_once() -> None:
     run_cfg = LESSON_04.comparison_config(apply_quick(LessonConfig(), True), 2)
     n = len(build_datasets(run_cfg)[1])

@@ -43,6 +43,7 @@ def test_sanity_check_devices_checks_each_distinct_device_once_in_order() -> Non
     assert [r.ok for r in results] == [True, False]
 
 
+@pytest.mark.slow  # make test-long (CI): a child importing torch
 def test_sanity_check_devices_in_a_child_process_matches_in_process() -> None:
     here = sanity_check_devices(["cpu", "meta"], size=16, in_subprocess=False)
     there = sanity_check_devices(["cpu", "meta"], size=16, in_subprocess=True)

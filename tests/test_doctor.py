@@ -104,6 +104,7 @@ def test_diagnose_here_reports_the_facts_and_no_problem(monkeypatch):
     assert first(findings, "driver").level in ("ok", "info")
 
 
+@pytest.mark.gpu  # without a GPU torch never creates a CUDA context: nothing to test
 def test_diagnose_leaves_cuda_uninitialised():
     """Lesson 00 runs it in its kernel, which must stay free of a CUDA context."""
     code = textwrap.dedent(

@@ -152,12 +152,14 @@ def test_fsdp2_bf16_follows_ddp_within_the_stated_tolerance(two_ranks: list[dict
     assert runs["FSDP2 bf16"]["memory"] == runs["FSDP2"]["memory"]
 
 
+@pytest.mark.slow  # make test-long (CI): the 3-rank launch; 2 ranks run in make test
 def test_fsdp2_float32_within_tolerance_on_three_ranks(three_ranks: list[dict]) -> None:
     runs = three_ranks[0]["runs"]
     assert within_fp32_tolerance(runs["FSDP2"]["state"], runs["DDP"]["state"])
     assert three_ranks[0]["tour"]["grad_diff"] < 1e-5  # averaged over 3 ranks, not summed
 
 
+@pytest.mark.slow  # make test-long (CI): the 3-rank launch; 2 ranks run in make test
 def test_fsdp2_memory_is_ddps_over_n(two_ranks: list[dict], three_ranks: list[dict]) -> None:
     for results, n in ((two_ranks, 2), (three_ranks, 3)):
         ddp, fsdp = ([sum(r["runs"][k]["memory"].values()) for r in results] for k in TRAINERS_2)
@@ -166,6 +168,7 @@ def test_fsdp2_memory_is_ddps_over_n(two_ranks: list[dict], three_ranks: list[di
         assert ddp[0] / n <= max(fsdp) <= 1.10 * ddp[0] / n
 
 
+@pytest.mark.slow  # make test-long (CI): the 3-rank launch; 2 ranks run in make test
 def test_shards_follow_torch_chunk_with_padded_storage(
     two_ranks: list[dict], three_ranks: list[dict]
 ) -> None:
@@ -199,6 +202,7 @@ def test_the_tour_checks_gradients_and_traces_the_collectives(two_ranks: list[di
     assert tour["held"] == {True: 0, False: block_bytes}  # 32 and 128 rows: no padding on 2 ranks
 
 
+@pytest.mark.slow  # make test-long (CI): the 3-rank launch; 2 ranks run in make test
 def test_the_blocks_hold_padded_all_gather_outputs_on_three_ranks(three_ranks: list[dict]) -> None:
     # 32 rows become 33 on 3 ranks, 128 become 129: what section 2.2's cell asserts exactly
     params = list(lesson.make_model().blocks.parameters())
