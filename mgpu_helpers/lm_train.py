@@ -1,0 +1,494 @@
+"""Training lesson 11's GPT on one device or several: the parallel wraps, the loop, DCP checkpoints.
+
+``train_lm`` is one rank's training run; ``scripts/train_lm.py`` runs it under ``torchrun`` (or as
+one process), and a notebook can run it with ``mgpu_helpers.launch``. The parallelisms come from
+the lessons that taught them:
+
+- ``ddp``: ``DistributedDataParallel`` (lesson 04);
+- ``fsdp``: lesson 08b's own ``apply_fsdp``, read from its notebook (one FSDP2 group per block,
+  then the root, which holds the tied embedding and head together);
+- ``fsdp_tp``: a 2-D mesh ``(dp, tp)``: :func:`apply_gpt_tp` on the ``tp`` rows, then the same
+  ``apply_fsdp`` on the ``dp`` columns, which is what lesson 09b's ``apply_2d`` does for its model.
+
+Checkpoints are ``torch.distributed.checkpoint`` (DCP) folders written through
+``get_state_dict``/``set_state_dict``, so one code path saves and loads a plain module, DDP,
+FSDP2 and DTensor tensor-parallel shards. They follow lesson 07's snapshot rules: written to
+``DIR.tmp``, then renamed into place with the previous one kept as ``DIR.prev``; a checkpoint
+from other settings is refused, naming the setting. Every rank writes its own shards, so with
+several nodes ``DIR`` must be on storage every node sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .config import course_root
+from .dist_env import DistEnv
+from .lesson_code import load_lesson_code
+from .lm import GPT, GPTConfig, evaluate, generate, get_batch, lm_loss, stdlib_bytes
+from .run_control import maybe_die, node_name, sibling, stop_requested
+from .tensor_parallel import check_heads
+
+__all__ = [
+    "CHECKPOINT_VERSION",
+    "MUST_MATCH",
+    "PARALLELS",
+    "LMRun",
+    "apply_gpt_tp",
+    "check_parallel",
+    "find_checkpoint",
+    "lesson_apply_fsdp",
+    "load_checkpoint",
+    "lr_at",
+    "make_optimizer",
+    "parallelize",
+    "save_checkpoint",
+    "train_lm",
+]
+
+PARALLELS = ("single", "ddp", "fsdp", "fsdp_tp")
+CHECKPOINT_VERSION = 1  # bumped when meta.json's layout changes
+META = "meta.json"  # what DCP does not hold: settings, step, history (written by rank 0)
+# The settings a checkpoint must share with the run that resumes from it; steps may grow.
+# steps too: the learning-rate schedule depends on it.
+MUST_MATCH = ("model", "steps", "batch_size", "lr", "warmup", "weight_decay", "seed",
+              "data_limit", "val_limit", "eval_every", "eval_batches", "parallel", "tp",
+              "world_size")
+
+
+@dataclass(frozen=True)
+class LMRun:
+    """One training run of lesson 11's GPT: the model, the optimisation, the parallelism, files."""
+
+    model: GPTConfig = field(default_factory=GPTConfig)
+    steps: int = 150  # optimizer steps; the defaults: ~2 minutes on 2 CPU cores
+    batch_size: int = 16  # global: sequences per step, all ranks together
+    lr: float = 2e-3  # AdamW's peak learning rate
+    warmup: int = 10  # steps of linear warm-up, then a cosine to a tenth of lr
+    weight_decay: float = 0.1  # on the matrices only (not norms, not the position embedding)
+    seed: int = 0  # the weights and the batches
+    data_limit: int | None = None  # training bytes read (None: the whole standard library)
+    val_limit: int | None = 500_000  # validation bytes read
+    eval_every: int = 25  # validation loss every N steps, and after the last
+    eval_batches: int = 4  # fixed validation batches per evaluation
+    parallel: str = "single"  # one of PARALLELS
+    tp: int = 2  # tensor-parallel ranks for fsdp_tp (the mesh is world_size // tp x tp)
+    snapshot: Path | None = None  # the DCP checkpoint folder (None: none, no resume)
+    snapshot_every: int = 0  # checkpoint every N steps (0: only at the end and on a stop)
+    out: Path | None = None  # rank 0 writes result.json and model.pt here
+    sample_bytes: int = 200  # bytes sampled from the trained model for result.json (0: none)
+    kill_at_step: int | None = None  # fault injection: a rank dies before this step
+    kill_rank: int = 0  # ... this rank
+    restarts: int = 0  # the job's restarts before this attempt
+
+    def settings(self) -> dict[str, Any]:
+        """The run's settings as plain values (in checkpoints and result.json)."""
+        keep = MUST_MATCH + ("snapshot_every",)
+        values = {k: v for k, v in asdict(self).items() if k in keep}
+        return {**values, "model": asdict(self.model)}
+
+
+def lr_at(step: int, run: LMRun) -> float:
+    """The learning rate of ``step`` (lesson 11): linear warm-up, then a cosine to lr / 10.
+
+    A function of the step alone, so a resumed run needs no scheduler state.
+    """
+    if step < run.warmup:
+        return run.lr * (step + 1) / run.warmup
+    done = (step - run.warmup) / max(1, run.steps - run.warmup)
+    return run.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, done))))
+
+
+def make_optimizer(model: nn.Module, run: LMRun) -> torch.optim.AdamW:
+    """AdamW with weight decay on the 2-D weights other than the position embedding (lesson 11)."""
+    decay, rest = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() == 2 and "pos_emb" not in name else rest).append(p)
+    groups = [{"params": decay, "weight_decay": run.weight_decay},
+              {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=run.lr, betas=(0.9, 0.95))
+
+
+def check_parallel(run: LMRun, world_size: int) -> tuple[int, int]:
+    """The data-parallel and tensor-parallel sizes of ``run`` on ``world_size`` ranks (lesson 11).
+
+    Raises ValueError, saying what to change, when the ranks do not fit the parallelism, the
+    heads do not split over the tensor-parallel ranks, or the batch does not split over the
+    data-parallel ones. Called before any rank talks to another.
+    """
+    if run.parallel not in PARALLELS:
+        raise ValueError(f"parallel must be one of {PARALLELS}, got {run.parallel!r}")
+    if run.parallel == "single" and world_size != 1:
+        raise ValueError(
+            f"--parallel single trains on one process, but this job has {world_size} ranks: "
+            "start it without torchrun (or with --nproc-per-node=1), or choose ddp, fsdp or fsdp_tp"
+        )
+    tp = run.tp if run.parallel == "fsdp_tp" else 1
+    if run.parallel == "fsdp_tp" and (tp < 1 or world_size % tp or world_size // tp < 2):
+        raise ValueError(
+            f"--parallel fsdp_tp needs a mesh of at least 2 data-parallel x {tp} tensor-parallel "
+            f"ranks, so a world size that is a multiple of {tp} and at least {2 * tp}; this job "
+            f"has {world_size}. Start {2 * tp} ranks (e.g. --nproc-per-node={2 * tp}), change "
+            "--tp, or choose fsdp"
+        )
+    if tp > 1:
+        check_heads(run.model.n_heads, tp)  # names the head rule and how to mend it
+    dp = world_size // tp
+    if run.batch_size % dp:
+        raise ValueError(
+            f"--batch-size {run.batch_size} does not split over {dp} data-parallel ranks: "
+            f"choose a multiple of {dp}"
+        )
+    return dp, tp
+
+
+@functools.lru_cache(maxsize=1)
+def lesson_apply_fsdp() -> Callable[..., nn.Module]:
+    """Lesson 08b's ``apply_fsdp``, read from its notebook (lesson 11 reuses it, never a copy).
+
+    It wraps ``model.blocks`` one FSDP2 group each, then the root: the GPT has the same shape.
+    """
+    namespace = {
+        "Net": nn.Module, "DeviceMesh": DeviceMesh, "MixedPrecisionPolicy": MixedPrecisionPolicy,
+        "fully_shard": fully_shard, "dist": dist, "torch": torch, "nn": nn,
+    }  # fmt: skip
+    lesson = load_lesson_code("08b", ["apply_fsdp"], namespace, course_root() / "notebooks")
+    return lesson.apply_fsdp
+
+
+def apply_gpt_tp(model: GPT, tp_mesh: DeviceMesh) -> GPT:
+    """Tensor parallelism on the GPT's blocks, in place (lesson 11, after lesson 09a's plan).
+
+    The plan is lesson 09a's (q, k, v and the MLP's up column-parallel; out and down
+    row-parallel), but 09a's ``apply_tp`` walks its own model (``model.layers``, the norm inside
+    the attention module, ``ff``), so it cannot wrap the GPT. The embeddings, the norms and the
+    head stay whole on every tensor-parallel rank: the head's weight IS the token embedding's,
+    and a vocabulary-parallel cut of one would have to be the other's too. ``src_data_rank=None``:
+    every rank built the same seeded weights and keeps its own cut.
+    """
+    check_heads(model.cfg.n_heads, tp_mesh.size())
+    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(), "attn.out": RowwiseParallel(),
+            "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, plan, src_data_rank=None)
+    return model
+
+
+def parallelize(model: GPT, run: LMRun, env: DistEnv) -> tuple[nn.Module, int, int]:
+    """``model`` wrapped for ``run.parallel``; also this rank's data-parallel index and count.
+
+    Ranks of one tensor-parallel row share a data-parallel index: they read the same rows.
+    """
+    dp, tp = check_parallel(run, env.world_size)
+    if run.parallel == "single":
+        return model, 0, 1
+    if run.parallel == "ddp":
+        ids = [env.device.index] if env.device.type == "cuda" else None
+        return DDP(model, device_ids=ids), env.rank, env.world_size
+    if run.parallel == "fsdp":
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
+        return lesson_apply_fsdp()(model, mesh), env.rank, env.world_size
+    mesh = init_device_mesh(env.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    apply_gpt_tp(model, mesh["tp"])
+    lesson_apply_fsdp()(model, mesh["dp"])
+    return model, mesh["dp"].get_local_rank(), dp
+
+
+# --- DCP checkpoints, by lesson 07's rules -------------------------------------------------------
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _one_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process when no group exists: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make renames in ``folder`` durable (POSIX); some network file systems refuse: fine."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    path: Path, env: DistEnv, model: nn.Module, optimizer: torch.optim.Optimizer,
+    meta: dict[str, Any],
+) -> None:
+    """Every rank writes its shards to ``PATH.tmp`` with DCP; rank 0 adds meta.json and renames.
+
+    A collective that returns once the checkpoint is in place. The rename order keeps a
+    complete checkpoint at every moment: the old ``PATH.prev`` is removed, ``PATH`` becomes
+    ``PATH.prev``, ``PATH.tmp`` becomes ``PATH``. ``meta``: settings, step, history.
+    """
+    tmp, prev = sibling(path, ".tmp"), sibling(path, ".prev")
+    if env.is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a write that was killed: never read
+    _barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    with _one_process_quiet():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+    if env.is_main:
+        with open(tmp / META, "w") as f:
+            json.dump({"version": CHECKPOINT_VERSION, **meta}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_folder(tmp)
+        if path.exists():
+            shutil.rmtree(prev, ignore_errors=True)
+            os.replace(path, prev)
+        os.replace(tmp, path)
+        _fsync_folder(path.parent)
+    _barrier()  # no rank goes on before the checkpoint is in place
+
+
+def _read_meta(folder: Path) -> dict[str, Any]:
+    """meta.json of a complete checkpoint folder; ValueError when it is not one."""
+    if not (folder / ".metadata").is_file():
+        raise ValueError("no DCP .metadata (the write did not finish)")
+    meta = json.loads((folder / META).read_text())
+    if meta.get("version") != CHECKPOINT_VERSION:
+        raise ValueError(f"checkpoint format {meta.get('version')}, this code reads "
+                         f"{CHECKPOINT_VERSION}")
+    return meta
+
+
+def _probe(path: Path) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
+    """The newest complete checkpoint among PATH and PATH.prev (rank 0 only), and notes."""
+    notes = []
+    tmp = sibling(path, ".tmp")
+    if tmp.exists():
+        notes.append(f"{tmp} is a leftover of an interrupted write: ignored and removed")
+        shutil.rmtree(tmp, ignore_errors=True)
+    for candidate in (path, sibling(path, ".prev")):
+        if not candidate.exists():
+            continue
+        try:
+            return candidate, _read_meta(candidate), notes
+        except (OSError, ValueError) as exc:  # missing or unreadable meta.json, bad JSON too
+            aside = sibling(candidate, ".corrupt")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(candidate, aside)
+            notes.append(f"{candidate} is incomplete or unreadable ({exc}); moved aside to {aside}")
+    return None, None, notes
+
+
+def mismatch(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """Why a run with settings ``now`` cannot resume from ``saved`` ones (None: it can)."""
+    for key in MUST_MATCH:
+        if saved.get(key) != now.get(key):
+            return f"{key} was {saved.get(key)!r} in the checkpoint's run, {now.get(key)!r} now"
+    return None
+
+
+def find_checkpoint(
+    path: Path | None, env: DistEnv, now: dict[str, Any]
+) -> tuple[Path, dict] | None:
+    """The checkpoint to resume from, the same on every rank (None: a fresh start). A collective.
+
+    Rank 0 looks at PATH, then PATH.prev; an incomplete one is moved aside to ``.corrupt``. One
+    from other settings is refused (SystemExit naming the setting and what to do).
+    """
+    if path is None:
+        return None
+    found = _probe(path) if env.is_main else (None, None, [])
+    for note in found[2]:
+        print(f"[{node_name()}] {note}")
+    shared = [None if found[0] is None else (str(found[0]), found[1])]
+    if _distributed():
+        dist.broadcast_object_list(shared, src=0)
+    if shared[0] is None:
+        if env.is_main:
+            print(f"no usable checkpoint at {path}: a fresh start")
+        return None
+    where, meta = Path(shared[0][0]), shared[0][1]
+    why = mismatch({**meta["settings"], "step": meta["step"]}, now)
+    if why is not None:
+        retries = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+        again = f" (torchrun's --max-restarts={retries} retries refuse alike)" if retries else ""
+        raise SystemExit(
+            f"train_lm: cannot resume from {where}: {why}. Start this configuration with another "
+            f"--snapshot folder, or delete {path} (and its .prev) to start afresh{again}."
+            if env.local_rank == 0 else 1
+        )
+    if env.is_main:
+        print(f"resuming from {where} at step {meta['step']}")
+    return where, meta
+
+
+def load_checkpoint(where: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a DCP checkpoint into the wrapped ``model`` and its ``optimizer``, in place."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    with _one_process_quiet():
+        dcp.load(state, checkpoint_id=where)
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+
+
+# --- the run -------------------------------------------------------------------------------------
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    """The mean of a scalar over all ranks (tensor-parallel ranks hold equal copies)."""
+    if _distributed():
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value.item()
+
+
+def _stop(env: DistEnv) -> bool:
+    return _distributed() and stop_requested(env.device)
+
+
+def train_lm(env: DistEnv, run: LMRun) -> dict[str, Any]:
+    """One rank's training run of lesson 11's GPT; returns what result.json holds.
+
+    The global batch of step s is ``get_batch(train, s, ...)``, each data-parallel rank taking its
+    rows, so every parallelism trains on the same sequences as one device. Resumes from
+    ``run.snapshot`` when a usable checkpoint is there.
+    """
+    dp, _ = check_parallel(run, env.world_size)
+    cfg = run.model
+    train = stdlib_bytes("train", run.data_limit)
+    val = stdlib_bytes("val", run.val_limit)
+    settings = {**run.settings(), "world_size": env.world_size}
+    found = find_checkpoint(run.snapshot, env, settings)
+    torch.manual_seed(run.seed)  # every rank builds the same weights; the wraps cut them
+    model, dp_rank, dp_size = parallelize(GPT(cfg).to(env.device), run, env)
+    optimizer = make_optimizer(model, run)
+    history: dict[str, list] = {"step": [], "train_loss": [], "lr": []}
+    evals: dict[str, list] = {"step": [], "val_loss": []}
+    start_step, written, resumed = 0, 0, None
+    if found is not None:
+        where, meta = found
+        load_checkpoint(where, model, optimizer)
+        start_step, history, evals = meta["step"], meta["history"], meta["evals"]
+        resumed = {"step": start_step, "path": str(where), "restarts": run.restarts}
+
+    def checkpoint(step: int) -> None:
+        nonlocal written
+        meta = {"settings": settings, "step": step, "history": history, "evals": evals}
+        save_checkpoint(run.snapshot, env, model, optimizer, meta)
+        written += 1
+
+    def validate(step: int) -> None:
+        loss = evaluate(model, val, run.eval_batches, run.batch_size, cfg.seq_len, run.seed + 1,
+                        dp_rank, dp_size, env.device)
+        evals["step"].append(step)
+        evals["val_loss"].append(_mean_over_ranks(torch.tensor(loss, device=env.device)))
+        if env.is_main:
+            print(f"step {step}: validation loss {evals['val_loss'][-1]:.4f}", flush=True)
+
+    if start_step == 0 and run.eval_every:
+        validate(0)  # the untrained model's loss: about log(256) = 5.55
+    model.train()
+    seconds, timed_steps = 0.0, 0
+    for step in range(start_step, run.steps):
+        if step == run.kill_at_step:
+            maybe_die(env, run)  # fault injection (first attempt only)
+        began = time.perf_counter()
+        lr = lr_at(step, run)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = get_batch(train, step, run.batch_size, cfg.seq_len, run.seed, dp_rank, dp_size,
+                         env.device)
+        loss = lm_loss(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP and FSDP2 average the gradients over the data-parallel ranks
+        optimizer.step()
+        history["step"].append(step + 1)
+        history["train_loss"].append(_mean_over_ranks(loss))  # waits for the step: timed in it
+        history["lr"].append(lr)
+        seconds += time.perf_counter() - began
+        timed_steps += 1
+        done = step + 1
+        if env.is_main and (done % 10 == 0 or done == run.steps):
+            print(f"step {done}/{run.steps}: train loss {history['train_loss'][-1]:.4f}",
+                  flush=True)
+        if run.eval_every and (done % run.eval_every == 0 or done == run.steps):
+            validate(done)
+        stopping = _stop(env)
+        if run.snapshot is not None and (
+            stopping or done == run.steps or (run.snapshot_every and done % run.snapshot_every == 0)
+        ):
+            checkpoint(done)
+        if stopping:
+            if env.is_main:
+                print(f"stopped by a signal after step {done}: the same command resumes")
+            return {"stopped_after_step": done}
+    tokens = timed_steps * run.batch_size * cfg.seq_len
+    outcome = {
+        "parallel": run.parallel, "world_size": env.world_size, "mesh": [dp, env.world_size // dp],
+        "backend": env.backend if _distributed() else None, "device": str(env.device),
+        "restart_count": run.restarts, "resumed_from": resumed, "steps": run.steps,
+        "history": history, "evals": evals, "config": settings, "checkpoints_written": written,
+        "tokens_per_s": tokens / seconds if seconds else None,
+        "parameters": sum(p.numel() for p in GPT(cfg).parameters()),
+    }  # fmt: skip
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                  cpu_offload=True))
+    if env.is_main:
+        finish(run, full, outcome)
+    _barrier()  # no rank goes on before the files are complete
+    return outcome
+
+
+def finish(run: LMRun, full_state: dict[str, torch.Tensor], outcome: dict[str, Any]) -> None:
+    """Rank 0: a sample from the trained weights into ``outcome``; model.pt and result.json."""
+    single = GPT(run.model)
+    missing, unexpected = single.load_state_dict(full_state, strict=False)
+    if unexpected or set(missing) - {"head.weight"}:  # the tied head may be listed once only
+        raise RuntimeError(f"gathered weights do not fit the GPT: {missing=}, {unexpected=}")
+    if run.sample_bytes:
+        text = generate(single, b"def ", run.sample_bytes, temperature=0.8, seed=run.seed)
+        outcome["sample"] = (b"def " + text).decode("utf-8", errors="replace")
+    if run.out is not None:
+        run.out.mkdir(parents=True, exist_ok=True)
+        torch.save(single.state_dict(), run.out / "model.pt")
+        (run.out / "result.json").write_text(json.dumps(outcome, indent=2) + "\n")

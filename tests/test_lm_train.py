@@ -1,0 +1,241 @@
+"""Lesson 11's training (mgpu_helpers.lm_train, scripts/train_lm.py): the loss falls, every
+parallelism equals one device, DCP checkpoints resume exactly, and torchrun restarts a killed rank.
+
+make test runs one cheap end-to-end check (a quick one-process run and its resume, in this
+process) and the unit tests; the torchrun jobs are marked slow (make test-long).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from mgpu_helpers.dist_env import DistEnv
+from mgpu_helpers.jobs import JobResult, run_jobs
+from mgpu_helpers.lm import GPT, GPTConfig
+from mgpu_helpers.lm_train import (
+    LMRun,
+    _probe,
+    check_parallel,
+    find_checkpoint,
+    lr_at,
+    make_optimizer,
+    save_checkpoint,
+    train_lm,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "train_lm.py"
+# One store per attempt (scripts/train_ddp.py says why) and one thread per rank, so every run
+# sums in the same order.
+ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+TIMEOUT = 300  # seconds for a wave of torchrun jobs; each takes ~10-30 s on a busy 2-core machine
+ONE_CPU = DistEnv(0, 0, 1, torch.device("cpu"), "gloo")
+QUICK = LMRun(
+    model=GPTConfig(seq_len=64, d_model=64, n_layers=2, n_heads=4), steps=20, batch_size=8,
+    lr=3e-3, warmup=5, data_limit=300_000, val_limit=60_000, eval_every=10, eval_batches=2,
+    sample_bytes=0,
+)  # fmt: skip
+
+
+# --- one cheap end-to-end check (make test) ------------------------------------------------------
+def test_quick_run_learns_and_resumes_bit_for_bit(tmp_path):
+    """The quick budget lowers both losses; a run resumed from its step-10 checkpoint ends with
+    the uninterrupted run's weights and losses, bit for bit (one process, in this one)."""
+    run = replace(QUICK, snapshot=tmp_path / "ck", snapshot_every=10, out=tmp_path / "a")
+    whole = train_lm(ONE_CPU, run)
+    losses, val = whole["history"]["train_loss"], whole["evals"]["val_loss"]
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, f"train loss did not fall: {losses}"
+    assert whole["evals"]["step"] == [0, 10, 20] and val[-1] < val[0] - 0.5, val
+    assert whole["checkpoints_written"] == 2 and whole["resumed_from"] is None
+    # Step 20's checkpoint removed: the one of step 10 (now .prev) is what a restart finds.
+    shutil.rmtree(tmp_path / "ck")
+    again = train_lm(ONE_CPU, replace(run, out=tmp_path / "b"))
+    assert again["resumed_from"]["step"] == 10 and again["resumed_from"]["path"].endswith("prev")
+    assert again["history"] == whole["history"] and again["evals"] == whole["evals"]
+    a, b = (torch.load(tmp_path / d / "model.pt", weights_only=True) for d in "ab")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    result = json.loads((tmp_path / "a" / "result.json").read_text())
+    assert result["config"]["model"]["d_model"] == 64 and result["parameters"] > 0
+
+
+# --- unit tests ----------------------------------------------------------------------------------
+def test_learning_rate_warms_up_then_decays_to_a_tenth():
+    run = LMRun(steps=100, lr=1e-3, warmup=10)
+    assert lr_at(0, run) == pytest.approx(1e-4) and lr_at(9, run) == pytest.approx(1e-3)
+    rates = [lr_at(s, run) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(rates, rates[1:], strict=False))
+    assert rates[-1] == pytest.approx(1e-4)
+
+
+def test_weight_decay_spares_norms_and_the_position_embedding():
+    torch.manual_seed(0)
+    model = GPT(QUICK.model)
+    decay, rest = make_optimizer(model, QUICK).param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == QUICK.weight_decay and rest["weight_decay"] == 0
+    assert "tok_emb.weight" in {names[id(p)] for p in decay["params"]}  # the tied head's too
+    assert {names[id(p)] for p in rest["params"]} >= {"pos_emb.weight", "norm.weight"}
+
+
+@pytest.mark.parametrize(
+    "parallel, world_size, changes, match",
+    [
+        ("single", 2, {}, "one process"),
+        ("fsdp_tp", 2, {}, "at least 4"),
+        ("fsdp_tp", 6, {"tp": 4}, "multiple of 4"),
+        ("fsdp_tp", 4, {"model": GPTConfig(n_heads=1, d_model=32)}, "HEADS|heads"),
+        ("ddp", 3, {}, "batch-size 16 does not split over 3"),
+        ("pipeline", 2, {}, "parallel must be one of"),
+    ],
+)
+def test_ranks_that_do_not_fit_are_refused_saying_why(parallel, world_size, changes, match):
+    with pytest.raises(ValueError, match=match):
+        check_parallel(replace(LMRun(), parallel=parallel, **changes), world_size)
+
+
+def test_fitting_meshes():
+    assert check_parallel(replace(LMRun(), parallel="fsdp_tp"), 4) == (2, 2)
+    assert check_parallel(replace(LMRun(), parallel="fsdp_tp", tp=2), 8) == (4, 2)
+    assert check_parallel(replace(LMRun(), parallel="ddp"), 2) == (2, 1)
+
+
+def _saved(folder: Path, step: int, run: LMRun = QUICK) -> None:
+    torch.manual_seed(0)
+    model = GPT(run.model)
+    meta = {"settings": {**run.settings(), "world_size": 1}, "step": step, "history": {},
+            "evals": {}}
+    save_checkpoint(folder, ONE_CPU, model, make_optimizer(model, run), meta)
+
+
+def test_checkpoint_replaces_atomically_and_keeps_the_previous(tmp_path):
+    ck = tmp_path / "ck"
+    _saved(ck, 5)
+    _saved(ck, 10)
+    assert json.loads((ck / "meta.json").read_text())["step"] == 10
+    assert json.loads((tmp_path / "ck.prev" / "meta.json").read_text())["step"] == 5
+    assert not (tmp_path / "ck.tmp").exists()
+
+
+def test_incomplete_checkpoint_is_moved_aside_and_prev_used(tmp_path):
+    ck = tmp_path / "ck"
+    _saved(ck, 5)
+    _saved(ck, 10)
+    (ck / "meta.json").unlink()  # killed before rank 0 wrote it
+    (tmp_path / "ck.tmp").mkdir()  # and a leftover of a later write
+    where, meta, notes = _probe(ck)
+    assert where == tmp_path / "ck.prev" and meta["step"] == 5
+    assert (tmp_path / "ck.corrupt").is_dir() and not (tmp_path / "ck.tmp").exists()
+    assert any("moved aside" in n for n in notes) and any("leftover" in n for n in notes)
+
+
+def test_checkpoint_of_other_settings_is_refused_naming_the_setting(tmp_path):
+    _saved(tmp_path / "ck", 5)
+    now = {**replace(QUICK, lr=1e-3).settings(), "world_size": 1}
+    with pytest.raises(SystemExit, match="lr was 0.003 in the checkpoint's run, 0.001 now.*delete"):
+        find_checkpoint(tmp_path / "ck", ONE_CPU, now)
+    same = {**QUICK.settings(), "world_size": 1}
+    assert find_checkpoint(tmp_path / "ck", ONE_CPU, same)[1]["step"] == 5
+
+
+def test_script_without_torchrun_says_how_to_start_it(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import train_lm as script
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    with pytest.raises(SystemExit, match=r"(?s)at least 4.*torchrun --standalone "
+                       r"--nproc-per-node=4 .*train_lm.py --parallel fsdp_tp"):
+        script.main(["--parallel", "fsdp_tp", "--quick"])
+    args = script.parse_args(["--quick", "--steps", "4"])
+    assert script.run_options(args, 1).steps == 4  # a value given wins over quick mode's
+    assert script.run_options(args, 1).model.d_model == 64
+
+
+# --- torchrun jobs (make test-long) --------------------------------------------------------------
+def _cmd(out: Path, parallel: str, nproc: int, *extra: str, restarts: int = 0) -> list[str]:
+    """The script under torchrun (or one plain process for ``single``), quick mode on the CPU."""
+    args = [str(SCRIPT), "--device", "cpu", "--quick", "--parallel", parallel, "--out", str(out),
+            *extra]
+    if parallel == "single":
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", f"--max-restarts={restarts}", *args]
+
+
+def _result(out: Path, job: JobResult) -> dict:
+    assert job.ok, f"exit status {job.returncode}:\n{job.tail()}"
+    return json.loads((out / "result.json").read_text())
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+VARIANTS = {"single": 1, "ddp": 2, "fsdp": 2, "fsdp_tp": 4}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Wave 1: each parallelism's quick run. Wave 2: DDP and FSDP with a rank killed at step 12
+    and one restart, resuming from the step-10 checkpoint (checkpoints every 5 steps)."""
+    tmp = tmp_path_factory.mktemp("train_lm")
+    first = run_jobs([_cmd(tmp / p, p, n) for p, n in VARIANTS.items()], timeout=TIMEOUT,
+                     env=ENV, cwd=ROOT, echo=False)
+    kill = ("--snapshot-every", "5", "--kill-at-step", "12")
+    killed = {p: tmp / f"{p}_killed" for p in ("ddp", "fsdp")}
+    second = run_jobs(
+        [_cmd(out, p, 2, "--snapshot", str(out / "ck"), *kill, restarts=1)
+         for p, out in killed.items()],
+        timeout=TIMEOUT, env=ENV, cwd=ROOT, echo=False,
+    )  # fmt: skip
+    results = {p: _result(tmp / p, job) for p, job in zip(VARIANTS, first, strict=True)}
+    jobs = dict(zip(killed, second, strict=True))
+    return {"tmp": tmp, "results": results, "killed": killed, "jobs": jobs}
+
+
+# Tolerances against one device: DDP and FSDP average two half-batch means where one device takes
+# one mean over the whole batch, and tensor parallelism sums each row-parallel product in two
+# parts; float32 rounds those sums differently, so nothing here is bitwise. Measured on 2-4 CPU
+# ranks over the 20 quick steps: losses within 5e-7, weights within 6e-6. Adam divides each
+# update by the gradient's own size, so a rounding difference in a near-zero gradient can move a
+# weight by up to lr (3e-3) a step: 1e-4 for the weights is far under that, and far over what
+# rounding gave. A rank reading the wrong rows changes the losses by 1e-2 or more.
+LOSS_ATOL, WEIGHT_ATOL = 1e-5, 1e-4
+
+
+@pytest.mark.slow  # make test-long
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp_tp"])
+def test_every_parallelism_equals_one_device(runs, parallel):
+    one, other = runs["results"]["single"], runs["results"][parallel]
+    assert other["world_size"] == VARIANTS[parallel] and other["backend"] == "gloo"
+    assert other["mesh"] == ([2, 2] if parallel == "fsdp_tp" else [VARIANTS[parallel], 1])
+    for key, series in (("history", "train_loss"), ("evals", "val_loss")):
+        a, b = torch.tensor(one[key][series]), torch.tensor(other[key][series])
+        assert len(a) == len(b) and (a - b).abs().max() < LOSS_ATOL, f"{series}: {a} vs {b}"
+    w1, w2 = _weights(runs["tmp"] / "single"), _weights(runs["tmp"] / parallel)
+    assert w1.keys() == w2.keys()
+    gap = max((w1[k] - w2[k]).abs().max().item() for k in w1)
+    assert gap < WEIGHT_ATOL, f"weights {gap:.1e} from one device's after 20 steps"
+    assert one["history"]["train_loss"][-1] < one["history"]["train_loss"][0] - 1.0
+
+
+@pytest.mark.slow  # make test-long
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_killed_rank_restarts_and_resumes_bit_for_bit(runs, parallel):
+    out, job = runs["killed"][parallel], runs["jobs"][parallel]
+    result = _result(out, job)
+    assert "SIGKILL to myself after 12 optimizer steps" in job.output
+    assert result["restart_count"] == 1 and result["resumed_from"]["step"] == 10
+    reference = runs["results"][parallel]
+    assert result["history"] == reference["history"] and result["evals"] == reference["evals"]
+    ref_w, w = _weights(runs["tmp"] / parallel), _weights(out)
+    assert [k for k in w if not torch.equal(w[k], ref_w[k])] == []
