@@ -7,9 +7,11 @@ process) and the unit tests; the torchrun jobs are marked slow (make test-long).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import sys
+import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -144,14 +146,18 @@ def test_checkpoint_of_other_settings_is_refused_naming_the_setting(tmp_path):
     assert find_checkpoint(tmp_path / "ck", ONE_CPU, same)[1]["step"] == 5
 
 
+def _script() -> types.ModuleType:
+    """scripts/train_lm.py as a module (its top level runs, main() does not)."""
+    spec = importlib.util.spec_from_file_location("train_lm_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_script_without_torchrun_says_how_to_start_it(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import train_lm as script
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    script = _script()
     with pytest.raises(SystemExit, match=r"(?s)at least 4.*torchrun --standalone "
                        r"--nproc-per-node=4 .*train_lm.py --parallel fsdp_tp"):
         script.main(["--parallel", "fsdp_tp", "--quick"])
@@ -239,3 +245,13 @@ def test_killed_rank_restarts_and_resumes_bit_for_bit(runs, parallel):
     assert result["history"] == reference["history"] and result["evals"] == reference["evals"]
     ref_w, w = _weights(runs["tmp"] / parallel), _weights(out)
     assert [k for k in w if not torch.equal(w[k], ref_w[k])] == []
+
+
+def test_the_slurm_script_options_parse():
+    """scripts/slurm/train_ddp.sbatch passes these to $TRAIN_SCRIPT: train_lm.py takes them."""
+    sbatch = (ROOT / "scripts" / "slurm" / "train_ddp.sbatch").read_text()
+    passed = ("--device", "--snapshot", "--snapshot-every", "--out")
+    assert all(f'  {opt} "' in sbatch for opt in passed)  # still what the sbatch script passes
+    args = _script().parse_args(["--device", "auto", "--snapshot", "run/snapshot.pt",
+                              "--snapshot-every", "0", "--out", "run"])
+    assert args.snapshot == Path("run/snapshot.pt") and args.out == Path("run")

@@ -16,7 +16,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 out=${REHEARSAL_DIR:-$root/build/slurm-rehearsal}
 mkdir -p "$out"
-rm -f "$out"/snapshot.pt "$out"/snapshot.pt.* "$out"/result.json "$out"/model.pt
+# -r: scripts/train_lm.py's snapshot is a folder (TRAIN_SCRIPT=scripts/train_lm.py rehearses it)
+rm -rf "$out"/snapshot.pt "$out"/snapshot.pt.* "$out"/result.json "$out"/model.pt
 
 # The batch script's own choice of Python (the course's .venv when there is one).
 if [ -z "${PYTHON:-}" ]; then
