@@ -39,7 +39,7 @@ from mgpu_helpers.util import write_json  # noqa: E402
 
 BENCHMARKS = (
     "loop_overhead", "launch_overhead", "pipeline", "ddp_from_scratch", "allreduce", "sharding",
-    "parallelisms",
+    "parallelisms", "lm",
 )  # fmt: skip
 
 
@@ -309,6 +309,57 @@ def _plot_parallelisms(r: Mapping) -> Figure:
     return fig
 
 
+def _lm(r: Mapping) -> list[Headline]:
+    """Each variant's MFU, the small model's on one device, and where the sweep passes 30%.
+
+    Reports only: on CPUs the course sets no target, and on GPUs 30% is where the sweep's MFU is
+    read off, not a limit the code must meet.
+    """
+    rows = [
+        Headline("lm", f"{name}: MFU on {row['devices']} device(s)", row["mfu"], None, "report")
+        for name, row in r["results"].items()
+    ]
+    lesson = [row for row in r["sweep"] if row.get("lesson_model")]
+    if lesson:
+        what = f"lesson 11's model: MFU on one device ({r['peak']['dtype']})"
+        rows.append(Headline("lm", what, lesson[0]["mfu"], None, "report"))
+    if r["passes_30"] is not None:
+        what = "sweep: first d_model with MFU > 30%"
+        rows.append(Headline("lm", what, r["passes_30"]["config"]["d_model"], None, "report"))
+    else:
+        best = max(r["sweep"], key=lambda row: row["mfu"])
+        what = f"sweep: best MFU (d_model {best['config']['d_model']}; none > 30%)"
+        rows.append(Headline("lm", what, best["mfu"], None, "report"))
+    return rows
+
+
+def _plot_lm(r: Mapping) -> Figure:
+    """Tokens/s per variant (median, range of rounds) and one device's MFU against model size."""
+    res, names = r["results"], list(r["results"])
+    fig = Figure(figsize=(11, 4))
+    speed, sweep = fig.subplots(1, 2)
+    med = [res[n]["tokens_per_s"] for n in names]
+    tokens = r["batch"] * r["config"]["seq_len"]
+    low = [m - tokens / max(res[n]["seconds_per_round"]) for m, n in zip(med, names, strict=True)]
+    high = [tokens / min(res[n]["seconds_per_round"]) - m for m, n in zip(med, names, strict=True)]
+    speed.bar(names, med, color=[f"C{i}" for i in range(len(names))])
+    speed.errorbar(range(len(names)), med, [low, high], fmt="none", ecolor="black", capsize=4)
+    for i, n in enumerate(names):
+        speed.annotate(f"MFU {res[n]['mfu']:.1%}", (i, med[i]), ha="center", va="bottom")
+    title = "tokens/s (median, range)" + ("" if r["timings_meaningful"] else ": NOISY")
+    speed.set(title=title, ylabel="tokens per second")
+    speed.grid(axis="y", alpha=0.3)
+    params = [row["parameters"] for row in r["sweep"]]
+    sweep.plot(params, [100 * row["mfu"] for row in r["sweep"]], marker="o")
+    sweep.axhline(30, color="0.5", lw=0.8, ls="--", label="30%")
+    sweep.set(xscale="log", xlabel="matmul weights", ylabel="MFU (%)")
+    sweep.set_title(f"one device, {r['peak']['dtype']}: MFU against model size")
+    sweep.legend(fontsize="small")
+    sweep.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
 Reader = tuple[Callable[[Mapping], list[Headline]], Callable[[Mapping], Figure]]
 READERS: dict[str, Reader] = {
     "loop_overhead": (_loop_overhead, _plot_loop_overhead),
@@ -318,6 +369,7 @@ READERS: dict[str, Reader] = {
     "allreduce": (_allreduce, _plot_allreduce),
     "sharding": (_sharding, _plot_sharding),
     "parallelisms": (_parallelisms, _plot_parallelisms),
+    "lm": (_lm, _plot_lm),
 }
 
 

@@ -54,7 +54,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -77,6 +77,7 @@ __all__ = [
     "default_matmul_size",
     "flops_per_token",
     "matmul_params",
+    "matmul_work",
     "mfu",
     "peak_matmul_flops",
     "training_dtype",
@@ -199,6 +200,45 @@ def _check_device(dev: torch.device) -> None:
         raise ValueError(f"device must be cpu, cuda or mps, got {dev}")
 
 
+def matmul_work(
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    size: int | None = None,
+    matmuls: int | None = None,
+    seed: int = 0,
+) -> tuple[Callable[[], None], Callable[[Timing], Peak]]:
+    """The peak's work, to time, and how to read its :class:`Timing` as a :class:`Peak`.
+
+    Lesson 11's benchmark times the work in the same rounds as the training steps
+    (``timing.measure_alternating``), so a busy spell of the machine falls on both alike.
+    ``dtype`` defaults to :func:`training_dtype`, ``size`` and ``matmuls`` to
+    :func:`default_matmul_size`.
+    """
+    dev = torch.device(device)
+    _check_device(dev)
+    dtype = dtype or training_dtype(dev)
+    default_n, default_k = default_matmul_size(dev)
+    size = default_n if size is None else size
+    matmuls = default_k if matmuls is None else matmuls
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+    if size < 1 or matmuls < 1:
+        raise ValueError(f"size and matmuls must be at least 1, got size={size}, {matmuls=}")
+    g = torch.Generator().manual_seed(seed)
+    a, b = (torch.randn(size, size, generator=g).to(dev, dtype) for _ in range(2))
+    out = torch.empty(size, size, device=dev, dtype=dtype)
+    name, threads = str(dtype).removeprefix("torch."), torch.get_num_threads()
+
+    def products() -> None:
+        for _ in range(matmuls):
+            torch.mm(a, b, out=out)
+
+    def as_peak(timing: Timing) -> Peak:
+        return Peak(str(dev), name, size, matmuls, threads, timing)
+
+    return products, as_peak
+
+
 def peak_matmul_flops(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
@@ -211,30 +251,12 @@ def peak_matmul_flops(
 ) -> Peak:
     """The device's matmul FLOP/s, measured: ``matmuls`` n x n products per timed call (lesson 11).
 
-    ``dtype`` defaults to :func:`training_dtype`, ``size`` and ``matmuls`` to
-    :func:`default_matmul_size`. On the CPU the figure holds for this process's torch threads
-    (``torch.get_num_threads()``, recorded): measure with the threads each rank trains with.
+    Defaults as :func:`matmul_work`'s. On the CPU the figure holds for this process's torch
+    threads (``torch.get_num_threads()``, recorded): measure with the threads each rank trains
+    with, and at the same time as what it is compared with (a busy machine moves it).
     """
-    dev = torch.device(device)
-    _check_device(dev)
-    dtype = dtype or training_dtype(dev)
-    default_n, default_k = default_matmul_size(dev)
-    size, matmuls = size or default_n, matmuls or default_k
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
-    if size < 1 or matmuls < 1:
-        raise ValueError(f"size and matmuls must be at least 1, got size={size}, {matmuls=}")
-    g = torch.Generator().manual_seed(seed)
-    a, b = (torch.randn(size, size, generator=g).to(dev, dtype) for _ in range(2))
-    out = torch.empty(size, size, device=dev, dtype=dtype)
-
-    def products() -> None:
-        for _ in range(matmuls):
-            torch.mm(a, b, out=out)
-
-    timing = measure(products, dev, warmup=warmup, repeats=repeats)
-    name = str(dtype).removeprefix("torch.")
-    return Peak(str(dev), name, size, matmuls, torch.get_num_threads(), timing)
+    work, as_peak = matmul_work(device, dtype, size, matmuls, seed)
+    return as_peak(measure(work, device, warmup=warmup, repeats=repeats))
 
 
 # --- the peak, from the datasheet --------------------------------------------------------------

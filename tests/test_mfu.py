@@ -24,10 +24,12 @@ from mgpu_helpers.mfu import (
     datasheet_peak,
     flops_per_token,
     matmul_params,
+    matmul_work,
     mfu,
     peak_matmul_flops,
     training_dtype,
 )
+from mgpu_helpers.timing import measure_alternating
 
 # three shapes: the formula must hold for any head count, MLP ratio and context length
 CONFIGS = (
@@ -106,9 +108,18 @@ def test_peak_is_a_positive_finite_measurement() -> None:
     assert peak_matmul_flops("cpu", torch.bfloat16, size=64, repeats=1).dtype == "bfloat16"
 
 
+def test_matmul_work_times_in_anyones_rounds() -> None:
+    work, as_peak = matmul_work("cpu", size=64, matmuls=3)
+    timings = measure_alternating({"peak": work, "other": lambda: None}, "cpu", repeats=3)
+    peak = as_peak(timings["peak"])
+    assert peak.flops_per_call == 2 * 64**3 * 3 and peak.timing is timings["peak"]
+    assert peak.median == pytest.approx(peak.flops_per_call / timings["peak"].median)
+
+
 def test_peak_rejects_bad_input() -> None:
-    with pytest.raises(ValueError, match="at least 1"):
-        peak_matmul_flops("cpu", size=-4)
+    for size in (0, -4):
+        with pytest.raises(ValueError, match="at least 1"):
+            peak_matmul_flops("cpu", size=size)
     with pytest.raises(ValueError, match="floating-point"):
         peak_matmul_flops("cpu", torch.int32, size=8)
     with pytest.raises(ValueError, match="repeats >= 1"):
