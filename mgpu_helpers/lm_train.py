@@ -56,7 +56,7 @@ from .config import course_root
 from .dist_env import DistEnv
 from .lesson_code import load_lesson_code
 from .lm import GPT, GPTConfig, evaluate, generate, get_batch, lm_loss, stdlib_bytes
-from .run_control import maybe_die, node_name, sibling, stop_requested
+from .run_control import maybe_die, node_name, retries_refuse_alike, sibling, stop_requested
 from .tensor_parallel import check_heads
 
 __all__ = [
@@ -350,8 +350,7 @@ def find_checkpoint(
     where, meta = Path(shared[0][0]), shared[0][1]
     why = mismatch({**meta["settings"], "step": meta["step"]}, now)
     if why is not None:
-        retries = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-        again = f" (torchrun's --max-restarts={retries} retries refuse alike)" if retries else ""
+        again = retries_refuse_alike()
         raise SystemExit(
             f"train_lm: cannot resume from {where}: {why}. Start this configuration with another "
             f"--snapshot folder, or delete {path} (and its .prev) to start afresh{again}."

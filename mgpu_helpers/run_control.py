@@ -28,6 +28,7 @@ __all__ = [
     "node_name",
     "on_stop_signal",
     "restart_count",
+    "retries_refuse_alike",
     "sibling",
     "stop_requested",
     "torchrun_hint",
@@ -102,6 +103,12 @@ def maybe_die(env: DistEnv, run: KillOptions) -> None:
             flush=True,
         )
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def retries_refuse_alike() -> str:
+    """For a refusal under ``--max-restarts``: the retries will refuse too (lessons 07, 11)."""
+    retries = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    return f" (torchrun's --max-restarts={retries} retries refuse alike)" if retries else ""
 
 
 def sibling(path: Path, suffix: str) -> Path:

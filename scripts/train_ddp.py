@@ -51,9 +51,7 @@ import io
 import json
 import os
 import random
-import shlex
 import signal
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -75,6 +73,18 @@ from mgpu_helpers.data import build_datasets, make_loader
 from mgpu_helpers.dist_env import DistEnv, exit_at_once
 from mgpu_helpers.lesson_code import load_lesson_code
 from mgpu_helpers.models import build_model
+from mgpu_helpers.run_control import (  # lesson 07's pieces, shared with lesson 11's train_lm.py
+    STOP_SIGNALS,
+    job_restarts,
+    maybe_die,
+    node_name,
+    on_stop_signal,
+    retries_refuse_alike,
+    sibling,
+    stop_requested,
+    torchrun_hint,
+    warn_if_store_shared,
+)
 from mgpu_helpers.timing import synchronize
 from mgpu_helpers.train import EpochResult, History, seed_everything
 
@@ -220,22 +230,6 @@ def snapshot_due(run: RunOptions, step: int, epoch_done: bool) -> bool:
 
 
 # --- a clean stop: Ctrl-C or SIGTERM to torchrun, which passes it on to every worker --------------
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_stop_signal: list[int] = []  # the signal this rank received, if any
-
-
-def on_stop_signal(signum: int, _frame: object) -> None:
-    """The handler main() installs: note the signal; the training loop stops after its step."""
-    _stop_signal.append(signum)
-
-
-def stop_requested(device: torch.device) -> bool:
-    """Whether any rank received a stop signal: a collective, so every rank stops at one step."""
-    flag = torch.tensor([float(bool(_stop_signal))], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
 def stopped(env: DistEnv, run: RunOptions, step: int) -> dict[str, Any]:
     """What a stopped rank returns (no result.json: the run is not over)."""
     if env.is_main:
@@ -254,51 +248,6 @@ def autocast_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
         return torch.float16
     return torch.bfloat16
-
-
-def restart_count() -> int:
-    """How many times this node's torchrun agent restarted the group before this attempt."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
-def job_restarts(env: DistEnv) -> int:
-    """The job's restarts before this attempt: the largest count of any node's agent.
-
-    Each agent counts only the failures it saw itself, and a restart for a new node counts
-    nowhere (torch.distributed.elastic: "TE does not synchronize number of restarts between
-    agents"). A node whose ranks merely waited may still say 0 after another node's rank died.
-    A collective: every rank calls it and gets the same answer.
-    """
-    count = torch.tensor([restart_count()], device=env.device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return int(count.item())
-
-
-def warn_if_store_shared() -> None:
-    """Say so when torchrun may restart the group on a store shared across attempts.
-
-    torchrun's agent keeps one store for every attempt (unless TORCH_DISABLE_SHARE_RDZV_TCP_STORE
-    is 1), so keys that the dead attempt wrote (each rank's address) are still there when the
-    new ranks join, and a new rank may read a dead rank's address and fail to connect.
-    """
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        print(
-            "warning: with --max-restarts, start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
-            "; otherwise a restarted group may read the dead ranks' addresses from torchrun's "
-            "store and fail to connect, now and then (pytorch/pytorch#167288)"
-        )
-
-
-def maybe_die(env: DistEnv, run: RunOptions) -> None:
-    """--kill-at-step: on the job's first attempt only, rank --kill-rank dies of SIGKILL (a real
-    process death: no exception, no cleanup), so torchrun must notice and restart the group."""
-    if env.rank == run.kill_rank and run.restarts == 0:
-        print(
-            f"rank {env.rank}: SIGKILL to myself after {run.kill_at_step} optimizer steps (--kill-at-step)",
-            flush=True,
-        )
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # --- writing a snapshot -------------------------------------------------------------------------
@@ -408,17 +357,7 @@ def write_atomically(path: Path, snapshot: dict[str, Any]) -> None:
             os.close(folder)
 
 
-def sibling(path: Path, suffix: str) -> Path:
-    """``snapshot.pt`` -> ``snapshot.pt.prev``: a file next to the snapshot."""
-    return path.with_name(path.name + suffix)
-
-
 # --- finding and loading a snapshot -------------------------------------------------------------
-def node_name() -> str:
-    """This machine in messages: torchrun's node rank (GROUP_RANK) and the host name."""
-    return f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})"
-
-
 def probe(path: Path) -> tuple[dict[str, Any] | None, bytes | None, list[str]]:
     """This node's newest valid snapshot: its summary and bytes (None: none), and notes to show.
 
@@ -536,8 +475,7 @@ def refuse_if_different(
     if why is not None and env.local_rank != 0:
         raise SystemExit(1)
     if why is not None:
-        retries = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
-        again = f" (torchrun's --max-restarts={retries} retries refuse alike)" if retries else ""
+        again = retries_refuse_alike()
         raise SystemExit(
             f"train_ddp.py: cannot resume from {path}: {why}. Start this configuration with "
             f"another --snapshot path, or delete the snapshot (and its .prev) to start afresh{again}."
@@ -659,15 +597,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def torchrun_hint(argv: list[str]) -> str:
-    """The command to use instead, for a start without torchrun."""
-    script = os.path.relpath(__file__)
-    script = shlex.quote(__file__ if script.startswith("..") else script)
-    return (
-        f"torchrun --standalone --nproc-per-node=2 {script} " + " ".join(map(shlex.quote, argv))
-    ).strip()
-
-
 @record  # an exception in a rank reaches torchrun's error summary with its traceback
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
@@ -676,7 +605,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(
             "train_ddp.py runs one rank of a distributed job and reads RANK, WORLD_SIZE, "
             "MASTER_ADDR and MASTER_PORT, which torchrun sets. Start it with torchrun:\n  "
-            + torchrun_hint(argv)
+            + torchrun_hint(__file__, argv)
         )
     if isinstance(sys.stdout, io.TextIOWrapper):  # output to a pipe or file: whole lines now
         sys.stdout.reconfigure(line_buffering=True)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from mgpu_helpers.config import quick_from_env
-from mgpu_helpers.dist_env import DistEnv
+from mgpu_helpers.dist_env import DistEnv, exit_at_once
 from mgpu_helpers.lm import GPTConfig
 from mgpu_helpers.lm_train import PARALLELS, LMRun, check_parallel, train_lm
 from mgpu_helpers.placement import place
@@ -182,3 +182,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_at_once(0)  # a gloo thread may still be busy: no Python shutdown (see its docstring)
