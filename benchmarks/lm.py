@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import sys
 import textwrap
 import time
@@ -111,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         sizes = dict(d_model=1024, layers=8, heads=16, seq=512, batch=32, repeats=5)
     else:
         sizes = dict(d_model=128, layers=4, heads=4, seq=128, batch=8, repeats=5)
+    sizes["batch"] = n * -(-sizes["batch"] // n)  # the default rounded up to split over n ranks
     for name, value in sizes.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -179,7 +181,9 @@ class Trainer:
         self.optimizer.step()
         self.done += 1
         if self.together:
-            dist.barrier()  # the step lasts until the slowest rank is done
+            # the step lasts until the slowest rank is done (NCCL: on this rank's own GPU)
+            cuda = self.env.device.type == "cuda"
+            dist.barrier(device_ids=[self.env.device.index] if cuda else None)
 
 
 def worker(env: DistEnv, cfg: GPTConfig, batch: int, variants: tuple, sizes: dict) -> dict:
@@ -232,39 +236,47 @@ def one_device_steps(
     return step, losses
 
 
+def sweep_row(
+    device: torch.device,
+    cfg: GPTConfig,
+    batch: int,
+    data: torch.Tensor,
+    repeats: int,
+    peak_size: int | None,
+) -> dict:
+    """One model on one device: tokens/s and MFU, its steps taking turns with the matmul peak."""
+    torch.manual_seed(0)
+    step, _ = one_device_steps(GPT(cfg).to(device), cfg, batch, data, device)
+    work, as_peak = matmul_work(device, size=peak_size)
+    both = measure_alternating({"step": step, PEAK: work}, device, warmup=WARMUP,
+                               repeats=repeats, sync_ranks=False)  # fmt: skip
+    timing, peak = both["step"], as_peak(both[PEAK]).median
+    speed = batch * cfg.seq_len / timing.median
+    return {"config": asdict(cfg), "lesson_model": cfg == GPTConfig(), "peak": peak,
+            "parameters": matmul_params(cfg), "flops_per_token": flops_per_token(cfg),
+            "tokens_per_s": speed, "seconds": list(timing.times), "spread": timing.spread,
+            "mfu": mfu(speed, flops_per_token(cfg), peak)}  # fmt: skip
+
+
 def sweep(
     device: torch.device, configs: list[GPTConfig], batch: int, repeats: int, peak_size: int | None
-) -> list[dict]:
-    """One device's tokens/s and MFU for each model, in the training dtype.
+) -> tuple[list[dict], str | None]:
+    """One device's tokens/s and MFU for each model, smallest first, in the training dtype.
 
-    Each model's steps take turns with the matmul peak, which its MFU divides by.
+    A model that does not fit in the GPU's memory ends the sweep (the larger ones would not fit
+    either); the second value then says where it stopped.
     """
     data = stdlib_bytes("train", 2_000_000)
     rows = []
     for cfg in configs:
-        torch.manual_seed(0)
-        step, _ = one_device_steps(GPT(cfg).to(device), cfg, batch, data, device)
-        work, as_peak = matmul_work(device, size=peak_size)
-        both = measure_alternating({"step": step, PEAK: work}, device, warmup=WARMUP,
-                                   repeats=repeats, sync_ranks=False)  # fmt: skip
-        timing, peak = both["step"], as_peak(both[PEAK]).median
-        rows.append(
-            {
-                "config": asdict(cfg),
-                "lesson_model": cfg == GPTConfig(),
-                "peak": peak,
-                "parameters": matmul_params(cfg),
-                "flops_per_token": flops_per_token(cfg),
-                "tokens_per_s": batch * cfg.seq_len / timing.median,
-                "seconds": list(timing.times),
-                "spread": timing.spread,
-                "mfu": mfu(batch * cfg.seq_len / timing.median, flops_per_token(cfg), peak),
-            }
-        )
-        del step, work
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return rows
+        try:
+            rows.append(sweep_row(device, cfg, batch, data, repeats, peak_size))
+        except torch.OutOfMemoryError:
+            return rows, f"d_model {cfg.d_model} x {cfg.n_layers} layers: out of memory, stopped"
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows, None
 
 
 # Eager against compiled losses, step by step from one seed. Inductor fuses the norms, GELU and
@@ -284,6 +296,9 @@ def compile_check(
     ok, why = compile_available(device)
     if not ok:
         return {"available": False, "why": why}
+    # inductor's C++ build asks torch.utils.cpp_extension, which logs a warning about CUDA_HOME
+    # on a machine without CUDA: irrelevant to a CPU build, and a 180-character line
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     data = stdlib_bytes("train", 200_000)
     runs = {}
     for name in ("eager", "compiled"):
@@ -375,6 +390,8 @@ def _print_report(args: argparse.Namespace, data: dict) -> None:
         print(f"  d_model {c['d_model']:5} x {c['n_layers']} layers, seq {c['seq_len']:5}: "
               f"{row['parameters'] / 1e6:8.2f}M matmul weights, {row['tokens_per_s']:10.0f} "
               f"tokens/s, MFU {row['mfu']:6.2%}{mark}")  # fmt: skip
+    if data["sweep_stopped"]:
+        print(f"  {data['sweep_stopped']}")
     first = data["passes_30"]
     if first is not None:
         print(
@@ -473,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     results = summarize(ranks[0]["times"], args.variants, n, args.batch, cfg, peak)
     device = torch.device(placement.devices[0])
     with _threads(placement.threads_per_rank):  # like for like with the ranks
-        rows = sweep(device, sweep_configs(on_gpu, args.quick), 8 if not on_gpu else 16,
+        rows, stopped = sweep(device, sweep_configs(on_gpu, args.quick), 8 if not on_gpu else 16,
                      3 if args.quick else 5, sizes["peak_size"])  # fmt: skip
         compiled = None
         if not (args.quick or args.no_compile):
@@ -497,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "sweep": rows,
         "passes_30": passes_at(rows),
+        "sweep_stopped": stopped,
         "compile": compiled,
         "target": TARGET_MFU if on_gpu else None,
         "noisy": noisy,
