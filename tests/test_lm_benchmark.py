@@ -133,3 +133,18 @@ def test_compiled_training_matches_eager_on_the_cpu() -> None:
     assert result["max_abs_diff"] <= benchmark.COMPILE_TOLERANCE["cpu"] == 1e-4
     assert result["eager_loss"][0] == pytest.approx(5.55, abs=0.3)  # about log(256): untrained
     assert result["speedup"] > 0 and len(result["seconds"]["compiled"]) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.slow  # make test-long
+def test_quick_run_on_one_gpu_measures_in_bf16(tmp_path: Path) -> None:
+    out = tmp_path / "lm.json"
+    done = run_benchmark(
+        "lm", "--quick", "--device", "cuda", "--world-size", "1", "--out", str(out)
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["variants"] == ["single"] and data["placement"]["device_type"] == "cuda"
+    major, _ = torch.cuda.get_device_capability(0)
+    assert data["peak"]["dtype"] == ("bfloat16" if major >= 8 else "float16")
+    assert data["target"] == 0.3 and data["peak"]["gpu"] == torch.cuda.get_device_name(0)

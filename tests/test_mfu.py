@@ -199,3 +199,15 @@ def test_datasheet_figures_are_dense_per_dtype() -> None:
     assert datasheet_peak("Tesla T4", torch.bfloat16) is None  # Turing: no bf16 tensor cores
     assert datasheet_peak("NVIDIA A10G", torch.bfloat16) is None
     assert all(row.source.startswith("NVIDIA ") for row in DATASHEET_PEAK.values())
+
+
+@pytest.mark.gpu
+def test_the_gpu_trains_and_peaks_in_bf16_or_fp16() -> None:
+    major, _ = torch.cuda.get_device_capability(0)
+    dtype = training_dtype("cuda:0")
+    assert dtype == (torch.bfloat16 if major >= 8 else torch.float16)
+    peak = peak_matmul_flops("cuda:0", size=4096, matmuls=4, repeats=3)
+    assert peak.dtype == str(dtype).removeprefix("torch.") and peak.median > 1e12  # > 1 TFLOP/s
+    sheet = datasheet_peak(torch.cuda.get_device_name(0), dtype)
+    if sheet is not None:  # a measured matmul reaches a share of the dense datasheet figure
+        assert 0.2 < peak.median / sheet.flops[peak.dtype] < 1.05
