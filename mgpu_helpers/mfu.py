@@ -37,8 +37,9 @@ FLOPs, not the hardware's): at GPTConfig's defaults it is 14% of the total.
 **The peak** (:func:`peak_matmul_flops`): a large square matmul in the training dtype
 (:func:`training_dtype`), timed with :func:`mgpu_helpers.timing.measure` (warm-up, synchronised
 repeats, median and spread). On GPUs the datasheet's dense tensor-core figure is also known for
-some models (:data:`DATASHEET_PEAK`, :func:`datasheet_peak`), said as such: a measured matmul
-reaches 70-90% of it.
+some models (:data:`DATASHEET_PEAK`, :func:`datasheet_peak`), said as such: a real matmul
+reaches less (clocks under power limits, memory traffic), and the lesson divides by the measured
+figure.
 
 **torch.compile** (:func:`compile_available`): the CPU backend (inductor) writes C++ and needs a
 compiler, the CUDA backend needs triton; it says which one is missing.
@@ -281,8 +282,9 @@ def _both(tflops: float) -> dict[str, float]:
 
 # Dense figures: NVIDIA's datasheets print the Ampere/Ada/Hopper tensor-core figures "with
 # sparsity" (2:4 structured sparsity, twice the dense rate) and say so in a footnote; dense is
-# half. Turing (T4) and Volta (V100) have no sparsity support: their figures are dense. The A10G
-# (AWS's variant of the A10) has no NVIDIA datasheet, so it is not listed; nor is the H100 NVL.
+# half. Turing (T4) and Volta (V100) have no sparsity support: their figures are dense. Not
+# listed: the A10 and A10G (no tensor-core figure from NVIDIA could be checked here; the A10G,
+# AWS's variant, has no NVIDIA datasheet at all) and the H100/H200 NVL boards.
 DATASHEET_PEAK: dict[str, DatasheetPeak] = {
     "H100 SXM": DatasheetPeak(
         "H100 SXM",
@@ -309,11 +311,6 @@ DATASHEET_PEAK: dict[str, DatasheetPeak] = {
         _both(121),
         "NVIDIA L4 Tensor Core GPU datasheet: BF16/FP16 Tensor Core 242 TFLOPS with sparsity",
     ),
-    "A10": DatasheetPeak(
-        "A10",
-        _both(125),
-        "NVIDIA A10 Tensor Core GPU datasheet: BF16/FP16 Tensor Core 125 TF (250 TF sparse)",
-    ),
     "T4": DatasheetPeak(
         "T4",
         {"float16": 65e12},
@@ -332,8 +329,8 @@ DATASHEET_PEAK: dict[str, DatasheetPeak] = {
 }
 
 # torch.cuda.get_device_name spellings -> table rows, first match wins: "NVIDIA H100 80GB HBM3"
-# (SXM), "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB", "NVIDIA L4", "Tesla T4", "NVIDIA A10",
-# "Tesla V100-SXM2-16GB". Word boundaries keep L40S, A10G, A100 and V100S apart.
+# (SXM), "NVIDIA H100 PCIe", "NVIDIA A100-SXM4-40GB", "NVIDIA L4", "Tesla T4",
+# "Tesla V100-SXM2-16GB". Word boundaries keep L40S, A100 and V100S apart.
 _NAME_RULES: tuple[tuple[str, str | None], ...] = (
     (r"\bH100\b.*\bNVL\b", None),
     (r"\bH100\b.*\bPCIE\b", "H100 PCIe"),
@@ -342,7 +339,6 @@ _NAME_RULES: tuple[tuple[str, str | None], ...] = (
     (r"\bH200\b", "H200"),
     (r"\bA100\b", "A100"),
     (r"\bL4\b", "L4"),
-    (r"\bA10\b", "A10"),
     (r"\bT4\b", "T4"),
     (r"\bV100\b.*\bPCIE\b", "V100 PCIe"),
     (r"\bV100\b", "V100 SXM2"),
