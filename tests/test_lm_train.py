@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 import shutil
+import signal
+import subprocess
 import sys
+import time
 import types
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +24,7 @@ import pytest
 import torch
 
 from mgpu_helpers.dist_env import DistEnv
-from mgpu_helpers.jobs import JobResult, run_jobs
+from mgpu_helpers.jobs import JobResult, run_jobs, stop_tree
 from mgpu_helpers.lm import GPT, GPTConfig
 from mgpu_helpers.lm_train import (
     LMRun,
@@ -255,3 +260,37 @@ def test_the_slurm_script_options_parse():
     args = _script().parse_args(["--device", "auto", "--snapshot", "run/snapshot.pt",
                               "--snapshot-every", "0", "--out", "run"])
     assert args.snapshot == Path("run/snapshot.pt") and args.out == Path("run")
+
+
+@pytest.mark.slow  # make test-long
+def test_sigterm_to_torchrun_stops_with_a_checkpoint_and_resumes_bit_for_bit(runs):
+    """SIGTERM to the agent (scancel, SLURM's time limit): the ranks agree on one step, a DCP
+    checkpoint of it is written, no result.json; the same command resumes to the reference."""
+    folder = runs["tmp"] / "sigterm"
+    cmd = _cmd(folder, "fsdp", 2, "--snapshot", str(folder / "ck"), "--snapshot-every", "5")
+    log = runs["tmp"] / "sigterm.log"
+    with open(log, "wb") as out:
+        agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                                 env={**os.environ, **ENV, "PYTHONUNBUFFERED": "1"},
+                                 start_new_session=True)  # fmt: skip
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while not (folder / "ck" / "meta.json").exists():  # step 5 is done
+                assert agent.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.02)
+            agent.send_signal(signal.SIGTERM)
+            agent.wait(timeout=60)  # torchrun gives its workers 30 s before SIGKILL
+        finally:
+            stop_tree(agent)
+    text = log.read_text()
+    stops = re.findall(r"stopped by a signal after step (\d+)", text)
+    assert len(stops) == 1, text
+    meta = json.loads((folder / "ck" / "meta.json").read_text())
+    assert meta["step"] == int(stops[0]) and 5 <= meta["step"] < 20, text
+    assert not (folder / "result.json").exists(), "a stopped run wrote a result"
+    (resumed,) = run_jobs([cmd], timeout=TIMEOUT, env=ENV, cwd=ROOT, echo=False)
+    result = _result(folder, resumed)
+    assert result["resumed_from"]["step"] == meta["step"]
+    assert result["history"] == runs["results"]["fsdp"]["history"]
+    ref_w, w = _weights(runs["tmp"] / "fsdp"), _weights(folder)
+    assert [k for k in w if not torch.equal(w[k], ref_w[k])] == []
