@@ -23,7 +23,9 @@ the machine moves both alike (measured apart, a shared CPU gave peaks 3x apart w
 and MFU above 100%); on GPUs the datasheet's dense figure is printed next to it where
 mgpu_helpers.mfu knows the GPU. What keeps a parallel variant below one device's MFU:
 its scaling efficiency (one device's step time / (N x its own)) is printed, and the remainder is
-communication and the wraps' overhead (no pipeline here: no bubble). Small matmuls show in the
+communication and the wraps' overhead (no pipeline here: no bubble). For DDP the communication
+is measured: the same DDP step inside no_sync() (no gradient all-reduce) is timed in the same
+rounds, and 1 - its time / DDP's is the all-reduce's share of the step. Small matmuls show in the
 sweep: the MFU of one device for growing models (on GPUs: the size at which it passes 30%).
 
 On GPUs the matmuls run in bfloat16 under torch.autocast (float16 before compute capability 8.0:
@@ -79,6 +81,7 @@ VARIANTS = ("single", "ddp", "fsdp", "fsdp_tp")
 NOISY = 0.5  # a spread (max - min) / median of the rounds above this is called noisy
 TARGET_MFU = 0.30  # the sweep says at which size one device's MFU first passes this
 PEAK = "matmul peak"  # the peak's entry in the timed rounds
+NO_SYNC = "ddp, no all-reduce"  # DDP's step without its communication, timed alongside
 WARMUP = 2  # untimed steps per variant: DDP rebuilds its buckets at the second, FSDP2 sets up
 
 
@@ -156,8 +159,14 @@ def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
 class Trainer:
     """One variant's model, optimizer and batch counter on this rank; ``step()`` trains once."""
 
-    def __init__(self, env: DistEnv, variant: str, cfg: GPTConfig, batch: int, data: torch.Tensor):
+    def __init__(
+        self, env: DistEnv, variant: str, cfg: GPTConfig, batch: int, data: torch.Tensor,
+        no_sync: bool = False,
+    ):  # fmt: skip
         self.env, self.cfg, self.batch, self.data, self.done = env, cfg, batch, data, 0
+        # ddp only: the backward inside DDP's no_sync(), without the gradient all-reduce: the
+        # same step less its communication (the gradients then differ: timing only)
+        self.no_sync = no_sync
         self.idle = variant == "single" and not env.is_main
         self.together = variant != "single"
         torch.manual_seed(0)  # every rank builds the same weights; the wraps cut them
@@ -177,7 +186,8 @@ class Trainer:
         with _autocast(self.env.device):
             loss = lm_loss(self.model(x), y)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        with self.model.no_sync() if self.no_sync else contextlib.nullcontext():
+            loss.backward()
         self.optimizer.step()
         self.done += 1
         if self.together:
@@ -195,6 +205,8 @@ def worker(env: DistEnv, cfg: GPTConfig, batch: int, variants: tuple, sizes: dic
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # as in lesson 09b
     data = stdlib_bytes("train", sizes["data_limit"])
     trainers = {name: Trainer(env, name, cfg, batch, data) for name in variants}
+    if "ddp" in variants:
+        trainers[NO_SYNC] = Trainer(env, "ddp", cfg, batch, data, no_sync=True)
     fns = {name: t.step for name, t in trainers.items()}
     as_peak = None
     if env.is_main:
@@ -202,7 +214,7 @@ def worker(env: DistEnv, cfg: GPTConfig, batch: int, variants: tuple, sizes: dic
     else:
         fns[PEAK] = lambda: None
     timings = measure_alternating(fns, env.device, warmup=WARMUP, repeats=sizes["repeats"])
-    out = {"times": {name: list(timings[name].times) for name in variants}}
+    out = {"times": {name: list(timings[name].times) for name in trainers}}
     if as_peak is not None:
         out["peak"] = peak_row(as_peak(timings[PEAK]))
     return out
@@ -355,6 +367,11 @@ def summarize(times: dict, variants: tuple, n: int, batch: int, cfg: GPTConfig, 
             row["speedup_text"] = comparison.brief()
             row["scaling_efficiency"] = single.median / (devices * timing.median)
         results[name] = row
+    if NO_SYNC in times:  # DDP's step less its all-reduce, in the same rounds
+        compute = Timing(tuple(times[NO_SYNC]))
+        ddp = results["ddp"]
+        ddp["no_sync_s"] = compute.median
+        ddp["communication_share"] = max(0.0, 1 - compute.median / ddp["median_s"])
     return results
 
 
@@ -379,6 +396,13 @@ def _print_report(args: argparse.Namespace, data: dict) -> None:
         eff = f"{row['scaling_efficiency']:.0%}" if "scaling_efficiency" in row else ""
         print(f"{name:8} {row['median_s'] * 1e3:9.1f} {row['spread']:7.0%} "
               f"{row['tokens_per_s']:10.0f} {row['mfu']:7.2%} {versus:>24} {eff:>10}")  # fmt: skip
+    if "communication_share" in res.get("ddp", {}):
+        ddp = res["ddp"]
+        print(
+            f"ddp without its gradient all-reduce (no_sync, same rounds): "
+            f"{ddp['no_sync_s'] * 1e3:.1f} ms/step\n  so communication is "
+            f"~{ddp['communication_share']:.0%} of ddp's step"
+        )
     print(
         "MFU divides by the devices a variant uses x one device's peak; efficiency = one device's"
         "\n  step time / (N x the variant's): the rest is communication and the wraps' overhead"

@@ -319,6 +319,10 @@ def _lm(r: Mapping) -> list[Headline]:
         Headline("lm", f"{name}: MFU on {row['devices']} device(s)", row["mfu"], None, "report")
         for name, row in r["results"].items()
     ]
+    ddp = r["results"].get("ddp", {})
+    if "communication_share" in ddp:
+        what = "ddp: all-reduce share of a step (no_sync)"
+        rows.append(Headline("lm", what, ddp["communication_share"], None, "report"))
     lesson = [row for row in r["sweep"] if row.get("lesson_model")]
     if lesson:
         what = f"lesson 11's model: MFU on one device ({r['peak']['dtype']})"

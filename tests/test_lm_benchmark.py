@@ -51,6 +51,9 @@ def test_quick_run_reports_every_variant_with_its_mfu(result: tuple[str, dict]) 
         expected = row["tokens_per_s"] * data["flops_per_token"] / (devices * peak["flops"])
         assert row["mfu"] == pytest.approx(expected)
         assert name in text
+    ddp = data["results"]["ddp"]  # its step less the all-reduce, timed in the same rounds
+    assert 0 <= ddp["communication_share"] <= 1 and ddp["no_sync_s"] > 0
+    assert "ddp without its gradient all-reduce" in text
     for name in ("ddp", "fsdp", "fsdp_tp"):
         assert {"speedup", "speedup_meaningful", "scaling_efficiency"} <= set(data["results"][name])
     assert [row["config"]["d_model"] for row in data["sweep"]] == [16, 32]
@@ -67,6 +70,8 @@ def test_run_all_reads_it_and_draws_it(result: tuple[str, dict], tmp_path: Path)
     _, data = result
     rows = {h.what: h for h in run_all._lm(data)}
     assert rows["fsdp_tp: MFU on 4 device(s)"].measured == data["results"]["fsdp_tp"]["mfu"]
+    share = rows["ddp: all-reduce share of a step (no_sync)"].measured
+    assert share == data["results"]["ddp"]["communication_share"]
     assert all(h.kind == "report" and h.met is None for h in rows.values())
     assert any(what.startswith("sweep:") for what in rows)
     run_all._plot_lm(data).savefig(tmp_path / "lm.png", dpi=50)
@@ -96,6 +101,10 @@ def test_summary_arithmetic_on_given_times() -> None:
     assert res["ddp"]["mfu"] == pytest.approx(8 * 16 / 0.25 * flops_per_token(cfg) / 2e9)
     assert res["ddp"]["speedup"] == pytest.approx(2.0) and res["ddp"]["speedup_meaningful"]
     assert res["ddp"]["scaling_efficiency"] == pytest.approx(1.0)
+    times[benchmark.NO_SYNC] = [0.15, 0.2, 0.2, 0.2, 0.1]  # DDP's step without its all-reduce
+    res = benchmark.summarize(times, ("single", "ddp"), 2, 8, cfg, {"flops": 1e9})
+    assert res["ddp"]["communication_share"] == pytest.approx(1 - 0.2 / 0.25)
+    assert benchmark.NO_SYNC not in res  # a measurement of ddp's, not a variant
 
 
 def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
