@@ -31,6 +31,7 @@ from mgpu_helpers.lm_train import (
     _probe,
     check_parallel,
     find_checkpoint,
+    lesson_apply_fsdp,
     lr_at,
     make_optimizer,
     save_checkpoint,
@@ -105,6 +106,12 @@ def test_weight_decay_spares_norms_and_the_position_embedding():
 def test_ranks_that_do_not_fit_are_refused_saying_why(parallel, world_size, changes, match):
     with pytest.raises(ValueError, match=match):
         check_parallel(replace(LMRun(), parallel=parallel, **changes), world_size)
+
+
+def test_fsdp_wrap_is_lesson_08bs_own():
+    """lesson_apply_fsdp reads apply_fsdp from lesson 08b's notebook: renaming it fails here."""
+    apply_fsdp = lesson_apply_fsdp()
+    assert apply_fsdp.__name__ == "apply_fsdp" and "08b" in apply_fsdp.__code__.co_filename
 
 
 def test_fitting_meshes():
