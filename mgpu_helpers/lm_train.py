@@ -79,8 +79,8 @@ __all__ = [
 PARALLELS = ("single", "ddp", "fsdp", "fsdp_tp")
 CHECKPOINT_VERSION = 1  # bumped when meta.json's layout changes
 META = "meta.json"  # what DCP does not hold: settings, step, history (written by rank 0)
-# The settings a checkpoint must share with the run that resumes from it; steps may grow.
-# steps too: the learning-rate schedule depends on it.
+# The settings a checkpoint must share with the run that resumes from it; steps too: the
+# learning-rate schedule depends on it.
 MUST_MATCH = ("model", "steps", "batch_size", "lr", "warmup", "weight_decay", "seed",
               "data_limit", "val_limit", "eval_every", "eval_batches", "parallel", "tp",
               "world_size")
@@ -293,10 +293,9 @@ def _read_meta(folder: Path) -> dict[str, Any]:
     if not (folder / ".metadata").is_file():
         raise ValueError("no DCP .metadata (the write did not finish)")
     meta = json.loads((folder / META).read_text())
-    if meta.get("version") != CHECKPOINT_VERSION:
-        raise ValueError(f"checkpoint format {meta.get('version')}, this code reads "
-                         f"{CHECKPOINT_VERSION}")
-    return meta
+    if not isinstance(meta, dict):
+        raise ValueError(f"{META} holds no settings")
+    return meta  # another format's version is refused by find_checkpoint, not moved aside
 
 
 def _probe(path: Path) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
@@ -348,7 +347,11 @@ def find_checkpoint(
             print(f"no usable checkpoint at {path}: a fresh start")
         return None
     where, meta = Path(shared[0][0]), shared[0][1]
-    why = mismatch({**meta["settings"], "step": meta["step"]}, now)
+    if meta.get("version") != CHECKPOINT_VERSION:  # written by another version of this code
+        version = meta.get("version")
+        why = f"it is in checkpoint format {version}, this code reads {CHECKPOINT_VERSION}"
+    else:
+        why = mismatch({**meta["settings"], "step": meta["step"]}, now)
     if why is not None:
         again = retries_refuse_alike()
         raise SystemExit(
@@ -444,8 +447,9 @@ def train_lm(env: DistEnv, run: LMRun) -> dict[str, Any]:
         history["step"].append(step + 1)
         history["train_loss"].append(_mean_over_ranks(loss))  # waits for the step: timed in it
         history["lr"].append(lr)
-        seconds += time.perf_counter() - began
-        timed_steps += 1
+        if step > start_step:  # the attempt's first step also sets up (FSDP2, allocator): left out
+            seconds += time.perf_counter() - began
+            timed_steps += 1
         done = step + 1
         if env.is_main and (done % 10 == 0 or done == run.steps):
             print(f"step {done}/{run.steps}: train loss {history['train_loss'][-1]:.4f}",

@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--kill-rank", type=int, metavar="R", help="the rank --kill-at-step kills (the last)")
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "d_model", "n_layers", "n_heads", "seq_len", "tp"):
-        if (getattr(args, name) or 1) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("snapshot_every", "eval_every", "kill_at_step", "data_limit", "val_limit"):
         if (getattr(args, name) or 0) < 0:

@@ -158,6 +158,16 @@ def test_checkpoint_of_other_settings_is_refused_naming_the_setting(tmp_path):
     assert find_checkpoint(tmp_path / "ck", ONE_CPU, same)[1]["step"] == 5
 
 
+def test_checkpoint_of_another_format_is_refused_not_moved_aside(tmp_path):
+    _saved(tmp_path / "ck", 5)
+    meta_file = tmp_path / "ck" / "meta.json"
+    meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "version": 0}))
+    now = {**QUICK.settings(), "world_size": 1}
+    with pytest.raises(SystemExit, match="checkpoint format 0, this code reads"):
+        find_checkpoint(tmp_path / "ck", ONE_CPU, now)
+    assert meta_file.is_file() and not (tmp_path / "ck.corrupt").exists()  # kept, not discarded
+
+
 def _script() -> types.ModuleType:
     """scripts/train_lm.py as a module (its top level runs, main() does not)."""
     spec = importlib.util.spec_from_file_location("train_lm_script", SCRIPT)
@@ -257,6 +267,13 @@ def test_killed_rank_restarts_and_resumes_bit_for_bit(runs, parallel):
     assert result["history"] == reference["history"] and result["evals"] == reference["evals"]
     ref_w, w = _weights(runs["tmp"] / parallel), _weights(out)
     assert [k for k in w if not torch.equal(w[k], ref_w[k])] == []
+
+
+@pytest.mark.parametrize("option", ["--steps", "--batch-size", "--tp", "--d-model"])
+def test_a_count_of_zero_is_refused(option, capsys):
+    with pytest.raises(SystemExit):
+        _script().parse_args([option, "0"])
+    assert "must be at least 1" in capsys.readouterr().err
 
 
 def test_the_slurm_script_options_parse():
