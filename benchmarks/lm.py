@@ -25,8 +25,9 @@ mgpu_helpers.mfu knows the GPU. What keeps a parallel variant below one device's
 its scaling efficiency (one device's step time / (N x its own)) is printed, and the remainder is
 communication and the wraps' overhead (no pipeline here: no bubble). For DDP the communication
 is measured: the same DDP step inside no_sync() (no gradient all-reduce) is timed in the same
-rounds, and 1 - its time / DDP's is the all-reduce's share of the step. Small matmuls show in the
-sweep: the MFU of one device for growing models (on GPUs: the size at which it passes 30%).
+rounds, and 1 - its time / DDP's is the share of the step the all-reduce adds: its exposed
+part, not what backward hides. Small matmuls show in the sweep: the MFU of one device for
+growing models (on GPUs: the size at which it passes 30%).
 
 On GPUs the matmuls run in bfloat16 under torch.autocast (float16 before compute capability 8.0:
 a throughput measurement, no loss scaling), on the CPU in float32. No target on CPUs: CPU
@@ -400,8 +401,8 @@ def _print_report(args: argparse.Namespace, data: dict) -> None:
         ddp = res["ddp"]
         print(
             f"ddp without its gradient all-reduce (no_sync, same rounds): "
-            f"{ddp['no_sync_s'] * 1e3:.1f} ms/step\n  so communication is "
-            f"~{ddp['communication_share']:.0%} of ddp's step"
+            f"{ddp['no_sync_s'] * 1e3:.1f} ms/step\n  so the all-reduce that backward does not "
+            f"hide is ~{ddp['communication_share']:.0%} of ddp's step"
         )
     print(
         "MFU divides by the devices a variant uses x one device's peak; efficiency = one device's"

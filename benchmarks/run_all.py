@@ -321,7 +321,7 @@ def _lm(r: Mapping) -> list[Headline]:
     ]
     ddp = r["results"].get("ddp", {})
     if "communication_share" in ddp:
-        what = "ddp: all-reduce share of a step (no_sync)"
+        what = "ddp: exposed all-reduce share of a step (no_sync)"
         rows.append(Headline("lm", what, ddp["communication_share"], None, "report"))
     lesson = [row for row in r["sweep"] if row.get("lesson_model")]
     if lesson:

@@ -70,7 +70,7 @@ def test_run_all_reads_it_and_draws_it(result: tuple[str, dict], tmp_path: Path)
     _, data = result
     rows = {h.what: h for h in run_all._lm(data)}
     assert rows["fsdp_tp: MFU on 4 device(s)"].measured == data["results"]["fsdp_tp"]["mfu"]
-    share = rows["ddp: all-reduce share of a step (no_sync)"].measured
+    share = rows["ddp: exposed all-reduce share of a step (no_sync)"].measured
     assert share == data["results"]["ddp"]["communication_share"]
     assert all(h.kind == "report" and h.met is None for h in rows.values())
     assert any(what.startswith("sweep:") for what in rows)
