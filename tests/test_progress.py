@@ -127,6 +127,30 @@ def _untracked_message_types() -> set[str]:
     return set(kernels.MappingKernelManager.class_traits()["untracked_message_types"].default())
 
 
+def _wait_for_iopub(client, timeout: float = 60) -> None:
+    """Return once the client's IOPub subscription receives the kernel's messages.
+
+    A kernel_info reply comes on the shell channel; the IOPub subscription may connect later
+    (ZeroMQ's slow joiner), and whatever the kernel publishes before is lost: on a busy machine
+    a cell's "busy" status was. So ask again until a status for the request arrives on IOPub,
+    and read up to its "idle".
+    """
+    import queue
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        request = client.kernel_info()
+        try:
+            while True:
+                msg = client.get_iopub_msg(timeout=1)
+                mine = msg["parent_header"].get("msg_id") == request
+                if mine and msg["content"].get("execution_state") == "idle":
+                    return
+        except queue.Empty:
+            continue  # nothing for this request yet: ask again
+    raise TimeoutError(f"the kernel's IOPub messages did not arrive within {timeout} s")
+
+
 def test_jupyterlab_sees_the_kernel_busy_while_a_bar_runs():
     """The client below answers the kernel's IOPub traffic as JupyterLab 4.6 does.
 
@@ -147,6 +171,7 @@ def test_jupyterlab_sees_the_kernel_busy_while_a_bar_runs():
     try:
         info = client.kernel_info(reply=True, timeout=60)
         subshells = "kernel subshells" in info["content"].get("supported_features", [])
+        _wait_for_iopub(client)  # else the cell's first messages may be lost
         cell = client.execute(SLOW_BAR_CELL)
         seen = []  # (message type, its parent's type, execution state), in IOPub order
         shown = []  # what JupyterLab's status bar shows after each status message it tracks
