@@ -63,7 +63,12 @@ from mgpu_helpers.devices import describe_hardware, gpu_count, hardware_as_dict 
 from mgpu_helpers.dist_env import DistEnv  # noqa: E402
 from mgpu_helpers.launch import launch  # noqa: E402
 from mgpu_helpers.lm import GPT, GPTConfig, get_batch, lm_loss, stdlib_bytes  # noqa: E402
-from mgpu_helpers.lm_train import LMRun, make_optimizer, parallelize  # noqa: E402
+from mgpu_helpers.lm_train import (  # noqa: E402
+    LMRun,
+    make_optimizer,
+    parallelize,
+    training_autocast,
+)
 from mgpu_helpers.mfu import (  # noqa: E402
     Peak,
     compile_available,
@@ -72,7 +77,6 @@ from mgpu_helpers.mfu import (  # noqa: E402
     matmul_params,
     matmul_work,
     mfu,
-    training_dtype,
 )
 from mgpu_helpers.placement import place, usable_cpus  # noqa: E402
 from mgpu_helpers.timing import Timing, compare, measure_alternating  # noqa: E402
@@ -150,13 +154,6 @@ def sweep_configs(on_gpu: bool, quick: bool) -> list[GPTConfig]:
     return [GPTConfig(d_model=64), GPTConfig(), GPTConfig(d_model=256)]
 
 
-def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bfloat16 (float16 before Ampere) matmuls on GPUs; nothing on the CPU (float32)."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=training_dtype(device))
-    return contextlib.nullcontext()
-
-
 class Trainer:
     """One variant's model, optimizer and batch counter on this rank; ``step()`` trains once."""
 
@@ -184,7 +181,7 @@ class Trainer:
             return
         x, y = get_batch(self.data, self.done, self.batch, self.cfg.seq_len, 0, self.dp_rank,
                          self.dp_size, self.env.device)  # fmt: skip
-        with _autocast(self.env.device):
+        with training_autocast(self.env.device):
             loss = lm_loss(self.model(x), y)
         self.optimizer.zero_grad(set_to_none=True)
         with self.model.no_sync() if self.no_sync else contextlib.nullcontext():
@@ -239,7 +236,7 @@ def one_device_steps(
 
     def step() -> None:
         x, y = get_batch(data, len(losses), batch, cfg.seq_len, device=device)
-        with _autocast(device):
+        with training_autocast(device):
             loss = lm_loss(forward(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

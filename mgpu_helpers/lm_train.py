@@ -16,6 +16,14 @@ FSDP2 and DTensor tensor-parallel shards. They follow lesson 07's snapshot rules
 ``DIR.tmp``, then renamed into place with the previous one kept as ``DIR.prev``; a checkpoint
 from other settings is refused, naming the setting. Every rank writes its own shards, so with
 several nodes ``DIR`` must be on storage every node sees.
+
+Precision: on the CPU the run is float32 throughout. On CUDA, forward and loss run under
+``torch.autocast`` in :func:`mgpu_helpers.mfu.training_dtype` (bfloat16 from compute capability
+8.0, float16 before); weights, gradients and AdamW's state stay float32. float16 adds a
+``torch.amp.GradScaler``, the plain one for every parallelism: DDP's gradients are averaged
+before it looks at them, and DTensor's handler of its unscale op (``_amp_foreach_non_finite_
+check_and_unscale_``) reduces the found-inf flag with a max over the sharded mesh dimensions of
+the first gradient, so FSDP2's ranks skip the same steps (PyTorch's FSDP2 x TP tests use it too).
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from .config import course_root
 from .dist_env import DistEnv
 from .lesson_code import load_lesson_code
 from .lm import GPT, GPTConfig, evaluate, generate, get_batch, lm_loss, stdlib_bytes
+from .mfu import training_dtype
 from .run_control import maybe_die, node_name, retries_refuse_alike, sibling, stop_requested
 from .tensor_parallel import check_heads
 
@@ -74,6 +83,7 @@ __all__ = [
     "parallelize",
     "save_checkpoint",
     "train_lm",
+    "training_autocast",
 ]
 
 PARALLELS = ("single", "ddp", "fsdp", "fsdp_tp")
@@ -388,14 +398,25 @@ def _stop(env: DistEnv) -> bool:
     return _distributed() and stop_requested(env.device)
 
 
+def training_autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """Lesson 11's precision: autocast to ``training_dtype`` on CUDA (bfloat16 from compute
+    capability 8.0, float16 before); on the CPU nothing, so the run stays float32."""
+    if device.type == "cuda":
+        return torch.autocast(device_type="cuda", dtype=training_dtype(device))
+    return contextlib.nullcontext()
+
+
 def train_lm(env: DistEnv, run: LMRun) -> dict[str, Any]:
     """One rank's training run of lesson 11's GPT; returns what result.json holds.
 
     The global batch of step s is ``get_batch(train, s, ...)``, each data-parallel rank taking its
     rows, so every parallelism trains on the same sequences as one device. Resumes from
-    ``run.snapshot`` when a usable checkpoint is there.
+    ``run.snapshot`` when a usable checkpoint is there. On CUDA in ``training_dtype``'s
+    precision (autocast; float16 with a GradScaler), on the CPU in float32.
     """
     dp, _ = check_parallel(run, env.world_size)
+    dtype = training_dtype(env.device)  # float32 on the CPU
+    scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     cfg = run.model
     train = stdlib_bytes("train", run.data_limit)
     val = stdlib_bytes("val", run.val_limit)
@@ -411,17 +432,22 @@ def train_lm(env: DistEnv, run: LMRun) -> dict[str, Any]:
         where, meta = found
         load_checkpoint(where, model, optimizer)
         start_step, history, evals = meta["step"], meta["history"], meta["evals"]
+        if scaler.is_enabled() and "scaler" in meta:  # float16's loss scale goes on as it was
+            scaler.load_state_dict(meta["scaler"])
         resumed = {"step": start_step, "path": str(where), "restarts": run.restarts}
 
     def checkpoint(step: int) -> None:
         nonlocal written
         meta = {"settings": settings, "step": step, "history": history, "evals": evals}
+        if scaler.is_enabled():
+            meta["scaler"] = scaler.state_dict()  # plain numbers: JSON holds them
         save_checkpoint(run.snapshot, env, model, optimizer, meta)
         written += 1
 
     def validate(step: int) -> None:
-        loss = evaluate(model, val, run.eval_batches, run.batch_size, cfg.seq_len, run.seed + 1,
-                        dp_rank, dp_size, env.device)
+        with training_autocast(env.device):
+            loss = evaluate(model, val, run.eval_batches, run.batch_size, cfg.seq_len, run.seed + 1,
+                            dp_rank, dp_size, env.device)
         evals["step"].append(step)
         evals["val_loss"].append(_mean_over_ranks(torch.tensor(loss, device=env.device)))
         if env.is_main:
@@ -440,10 +466,14 @@ def train_lm(env: DistEnv, run: LMRun) -> dict[str, Any]:
             group["lr"] = lr
         x, y = get_batch(train, step, run.batch_size, cfg.seq_len, run.seed, dp_rank, dp_size,
                          env.device)
-        loss = lm_loss(model(x), y)
+        with training_autocast(env.device):
+            loss = lm_loss(model(x), y)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # DDP and FSDP2 average the gradients over the data-parallel ranks
-        optimizer.step()
+        # DDP and FSDP2 average the gradients over the data-parallel ranks. A disabled scaler
+        # (bfloat16, float32) passes the loss through and calls optimizer.step() as it is.
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         history["step"].append(step + 1)
         history["train_loss"].append(_mean_over_ranks(loss))  # waits for the step: timed in it
         history["lr"].append(lr)
@@ -469,6 +499,7 @@ def train_lm(env: DistEnv, run: LMRun) -> dict[str, Any]:
     outcome = {
         "parallel": run.parallel, "world_size": env.world_size, "mesh": [dp, env.world_size // dp],
         "backend": env.backend if _distributed() else None, "device": str(env.device),
+        "dtype": str(dtype).removeprefix("torch."), "grad_scaler": scaler.is_enabled(),
         "restart_count": run.restarts, "resumed_from": resumed, "steps": run.steps,
         "history": history, "evals": evals, "config": settings, "checkpoints_written": written,
         "tokens_per_s": tokens / seconds if seconds else None,

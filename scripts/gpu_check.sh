@@ -78,7 +78,8 @@ step lessons "$lessons_limit" "$PY" scripts/lesson_as_script.py run --quick \
 # two lines: lessons 10a-10c (errors produced on GPUs: NCCL's barrier meeting an all-reduce and
 # the watchdog (its dump wait cut to 2 s), device_id without set_device, a device-side assert, out
 # of memory, 10a's DataParallel check on cuda:0, CUDA before a fork, NCCL on a shared GPU, a
-# checkpoint that lands on GPU 0, DDP's entries over NCCL).
+# checkpoint that lands on GPU 0, DDP's entries over NCCL); lesson 11's training script in the
+# GPU's training dtype (bf16 autocast, or fp16 with loss scaling).
 step gpu_tests 210 "$PY" -m pytest -p no:cacheprovider -q -rs -m "gpu or multigpu" \
   tests/test_data_parallel.py tests/test_ddp.py tests/test_ddp_batchnorm.py tests/test_devices.py \
   tests/test_doctor.py tests/test_devices_extra.py tests/test_launch.py \
@@ -91,7 +92,8 @@ step gpu_tests 210 "$PY" -m pytest -p no:cacheprovider -q -rs -m "gpu or multigp
   tests/test_tensor_parallel.py tests/test_pipelining.py tests/test_2d_mesh.py \
   tests/test_parallelisms_benchmark.py \
   tests/test_troubleshooting_processes.py tests/test_troubleshooting_ddp.py \
-  tests/test_troubleshooting_myths.py
+  tests/test_troubleshooting_myths.py tests/test_lm_train.py tests/test_mfu.py \
+  tests/test_lm_benchmark.py
 step loop_overhead 90 "$PY" benchmarks/loop_overhead.py --out "$out/loop_overhead.json"
 # 3 repeats: the benchmark also times bare spawn (each rank imports torch and starts CUDA again)
 step launch_overhead 90 "$PY" benchmarks/launch_overhead.py --repeats 3 \

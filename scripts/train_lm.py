@@ -5,7 +5,8 @@ this script adds the command line and what ``torchrun`` needs, from lesson 07: t
 count, ``--kill-at-step``, a clean stop on Ctrl-C or SIGTERM with a checkpoint. Checkpoints are
 DCP folders (``--snapshot DIR``; ``DIR.prev`` keeps the one before), and a restarted or
 re-submitted job resumes from the newest: with 2 CPU ranks it ends bit for bit where an
-uninterrupted run ends.
+uninterrupted run ends. On GPUs it trains in bfloat16 (autocast; float16 with loss scaling
+before compute capability 8.0), on the CPU in float32; result.json says which.
 
 One process (no torchrun)::
 

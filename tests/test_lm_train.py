@@ -71,6 +71,7 @@ def test_quick_run_learns_and_resumes_bit_for_bit(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     result = json.loads((tmp_path / "a" / "result.json").read_text())
     assert result["config"]["model"]["d_model"] == 64 and result["parameters"] > 0
+    assert result["dtype"] == "float32" and result["grad_scaler"] is False  # the CPU: no autocast
 
 
 # --- unit tests ----------------------------------------------------------------------------------
@@ -318,3 +319,22 @@ def test_sigterm_to_torchrun_stops_with_a_checkpoint_and_resumes_bit_for_bit(run
     assert result["history"] == runs["results"]["fsdp"]["history"]
     ref_w, w = _weights(runs["tmp"] / "fsdp"), _weights(folder)
     assert [k for k in w if not torch.equal(w[k], ref_w[k])] == []
+
+
+# --- on a GPU (scripts/gpu_check.sh) -------------------------------------------------------------
+@pytest.mark.gpu
+def test_quick_run_on_a_gpu_trains_in_the_training_dtype_and_learns(tmp_path):
+    """On CUDA the script trains under autocast: bfloat16 from compute capability 8.0, float16
+    with a GradScaler before; result.json says which, and the quick budget still lowers the loss
+    (the MFU of lesson 11 divides its tokens/s by that dtype's peak)."""
+    cmd = [sys.executable, str(SCRIPT), "--device", "cuda", "--quick", "--parallel", "single",
+           "--out", str(tmp_path)]
+    (job,) = run_jobs([cmd], timeout=180, env=ENV, cwd=ROOT, echo=False)
+    result = _result(tmp_path, job)
+    bf16 = torch.cuda.get_device_capability(0) >= (8, 0)  # GPU_CHECKLIST: not is_bf16_supported()
+    assert result["device"].startswith("cuda"), result["device"]
+    assert result["dtype"] == ("bfloat16" if bf16 else "float16")
+    assert result["grad_scaler"] is (not bf16)
+    losses, val = result["history"]["train_loss"], result["evals"]["val_loss"]
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, f"train loss did not fall: {losses}"
+    assert val[-1] < val[0] - 0.5, val
