@@ -25,7 +25,8 @@ import torch
 
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.jobs import JobResult, run_jobs, stop_tree
-from mgpu_helpers.lm import GPT, GPTConfig
+from mgpu_helpers.launch import launch
+from mgpu_helpers.lm import GPT, GPTConfig, get_batch, lm_loss, stdlib_bytes
 from mgpu_helpers.lm_train import (
     LMRun,
     _probe,
@@ -34,6 +35,7 @@ from mgpu_helpers.lm_train import (
     lesson_apply_fsdp,
     lr_at,
     make_optimizer,
+    parallelize,
     save_checkpoint,
     train_lm,
 )
@@ -187,6 +189,82 @@ def test_script_without_torchrun_says_how_to_start_it(monkeypatch):
     args = script.parse_args(["--quick", "--steps", "4"])
     assert script.run_options(args, 1).steps == 4  # a value given wins over quick mode's
     assert script.run_options(args, 1).model.d_model == 64
+
+
+# --- gradients and checkpoints on real ranks (mgpu_helpers.launch) -----------------------------
+def _gradients(env: DistEnv, parallel: str, summed: bool = False) -> dict[str, torch.Tensor]:
+    """The full gradients after one forward and backward of QUICK's GPT on step 0's batch under
+    ``parallel``, no optimizer step, keyed by the plain model's names. ``summed``: the loss times
+    the data-parallel size, which is what summing the ranks' gradients instead of averaging gives.
+    """
+    run = replace(QUICK, parallel=parallel)
+    torch.manual_seed(run.seed)
+    model, dp_rank, dp_size = parallelize(GPT(run.model).to(env.device), run, env)
+    x, y = get_batch(stdlib_bytes("train", run.data_limit), 0, run.batch_size, run.model.seq_len,
+                     run.seed, dp_rank, dp_size, env.device)
+    (lm_loss(model(x), y) * (dp_size if summed else 1)).backward()
+    grads = {}
+    for name, param in model.named_parameters():  # full_tensor(): a collective, on every rank
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        grads[name.removeprefix("module.")] = grad.detach().cpu().clone()
+    return grads
+
+
+def _on_two_ranks(env: DistEnv) -> dict:
+    """The 2-rank launch: DDP's and FSDP2's gradients, right and summed."""
+    out = {p + (" summed" if summed else ""): _gradients(env, p, summed)
+           for p in ("ddp", "fsdp") for summed in (False, True)}  # fmt: skip
+    return {"grads": out if env.is_main else None}
+
+
+def _on_four_ranks(env: DistEnv) -> dict | None:
+    """The 4-rank launch: FSDP2 x TP's gradients on the 2 x 2 mesh, right and summed."""
+    out = {"fsdp_tp" + (" summed" if s else ""): _gradients(env, "fsdp_tp", s) for s in (0, 1)}
+    return out if env.is_main else None
+
+
+@pytest.fixture(scope="module")
+def one_device_gradients() -> dict[str, torch.Tensor]:
+    return _gradients(ONE_CPU, "single")
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return launch(_on_two_ranks, 2, device="cpu", echo=False, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict]:
+    return launch(_on_four_ranks, 4, device="cpu", echo=False, timeout=90)
+
+
+# One backward, no optimizer step: the only difference from one device is the order of float32
+# sums (two half-batch means averaged; TP's row-parallel products summed in two parts). Measured
+# on 2 and 4 CPU ranks: 1.2e-7 of the largest gradient entry for each. A gradient summed over 2
+# data-parallel ranks instead of averaged is off by the whole gradient: 1.0, 1e5 times GRAD_RTOL.
+GRAD_RTOL = 1e-5
+
+
+def _gradient_gap(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """The largest difference from the reference's gradients, over its largest entry."""
+    assert grads.keys() == reference.keys()
+    largest = max(g.abs().max().item() for g in reference.values())
+    return max((grads[k] - reference[k]).abs().max().item() for k in grads) / largest
+
+
+@pytest.mark.slow  # make test-long: one 2-rank and one 4-rank launch
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp_tp"])
+def test_gradients_equal_one_devices_and_summed_ones_do_not(
+    parallel, one_device_gradients, two_ranks, four_ranks
+):
+    """Averaged, not summed: AdamW hides a factor in the gradient (it divides by the gradient's
+    own size), so the weights after 20 steps barely show it; the gradients themselves do."""
+    grads = (four_ranks if parallel == "fsdp_tp" else two_ranks)[0]
+    grads = grads if parallel == "fsdp_tp" else grads["grads"]
+    gap = _gradient_gap(grads[parallel], one_device_gradients)
+    assert gap < GRAD_RTOL, f"{parallel}: gradients {gap:.1e} (relative) from one device's"
+    summed = _gradient_gap(grads[parallel + " summed"], one_device_gradients)
+    assert summed > 1000 * GRAD_RTOL, f"{parallel}: a summed gradient passed ({summed:.1e})"
 
 
 # --- torchrun jobs (make test-long) --------------------------------------------------------------
