@@ -292,15 +292,16 @@ VARIANTS = {"single": 1, "ddp": 2, "fsdp": 2, "fsdp_tp": 4}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """Wave 1: each parallelism's quick run. Wave 2: DDP and FSDP with a rank killed at step 12
-    and one restart, resuming from the step-10 checkpoint (checkpoints every 5 steps)."""
+    """Wave 1: each parallelism's quick run. Wave 2: DDP, FSDP (2 ranks) and FSDP2 x TP (4) with
+    a rank killed at step 12 and one restart, resuming from the step-10 checkpoint (checkpoints
+    every 5 steps)."""
     tmp = tmp_path_factory.mktemp("train_lm")
     first = run_jobs([_cmd(tmp / p, p, n) for p, n in VARIANTS.items()], timeout=TIMEOUT,
                      env=ENV, cwd=ROOT, echo=False)
     kill = ("--snapshot-every", "5", "--kill-at-step", "12")
-    killed = {p: tmp / f"{p}_killed" for p in ("ddp", "fsdp")}
+    killed = {p: tmp / f"{p}_killed" for p in ("ddp", "fsdp", "fsdp_tp")}
     second = run_jobs(
-        [_cmd(out, p, 2, "--snapshot", str(out / "ck"), *kill, restarts=1)
+        [_cmd(out, p, VARIANTS[p], "--snapshot", str(out / "ck"), *kill, restarts=1)
          for p, out in killed.items()],
         timeout=TIMEOUT, env=ENV, cwd=ROOT, echo=False,
     )  # fmt: skip
@@ -336,8 +337,9 @@ def test_every_parallelism_equals_one_device(runs, parallel):
 
 
 @pytest.mark.slow  # make test-long
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp", "fsdp_tp"])
 def test_killed_rank_restarts_and_resumes_bit_for_bit(runs, parallel):
+    """fsdp_tp: 2-D DTensor weights and AdamW state through DCP, 4 ranks, the last one killed."""
     out, job = runs["killed"][parallel], runs["jobs"][parallel]
     result = _result(out, job)
     assert "SIGKILL to myself after 12 optimizer steps" in job.output
