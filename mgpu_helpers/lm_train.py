@@ -15,7 +15,8 @@ Checkpoints are ``torch.distributed.checkpoint`` (DCP) folders written through
 FSDP2 and DTensor tensor-parallel shards. They follow lesson 07's snapshot rules: written to
 ``DIR.tmp``, then renamed into place with the previous one kept as ``DIR.prev``; a checkpoint
 from other settings is refused, naming the setting. Every rank writes its own shards, so with
-several nodes ``DIR`` must be on storage every node sees.
+several nodes ``DIR`` must be on storage every node sees: after each save every rank checks
+that it sees the finished checkpoint, and all stop with a clear error if one does not.
 
 Precision: on the CPU the run is float32 throughout. On CUDA, forward and loss run under
 ``torch.autocast`` in :func:`mgpu_helpers.mfu.training_dtype` (bfloat16 from compute capability
@@ -274,7 +275,8 @@ def save_checkpoint(
 
     A collective that returns once the checkpoint is in place. The rename order keeps a
     complete checkpoint at every moment: the old ``PATH.prev`` is removed, ``PATH`` becomes
-    ``PATH.prev``, ``PATH.tmp`` becomes ``PATH``. ``meta``: settings, step, history.
+    ``PATH.prev``, ``PATH.tmp`` becomes ``PATH``. ``meta``: settings, step, history. Then every
+    rank checks that it sees the result (:func:`_check_every_rank_sees`).
     """
     tmp, prev = sibling(path, ".tmp"), sibling(path, ".prev")
     if env.is_main:
@@ -296,6 +298,33 @@ def save_checkpoint(
         os.replace(tmp, path)
         _fsync_folder(path.parent)
     _barrier()  # no rank goes on before the checkpoint is in place
+    _check_every_rank_sees(path, env)
+
+
+def _sees(path: Path) -> bool:
+    """Whether this rank sees the finished checkpoint ``path``: its meta.json, written last."""
+    return (path / META).is_file()
+
+
+def _check_every_rank_sees(path: Path, env: DistEnv) -> None:
+    """Every rank says whether it sees the checkpoint rank 0 just renamed into place; if one does
+    not, all raise the same error now (lesson 11). A collective.
+
+    On node-local storage the other nodes' ranks would only fail at the next resume, inside
+    ``dcp.load``, while the rest waited for them until the timeout.
+    """
+    flags = torch.zeros(env.world_size, device=env.device)
+    flags[env.rank] = float(_sees(path))
+    if _distributed():
+        dist.all_reduce(flags)
+    blind = [rank for rank, seen in enumerate(flags.tolist()) if seen < 1]
+    if blind:
+        raise RuntimeError(
+            f"train_lm: rank(s) {blind} do not see the checkpoint {path} that this run just "
+            "wrote (every rank wrote its shards, then rank 0 renamed the folder into place): "
+            "--snapshot must be on storage every node sees (a shared file system), not a "
+            "node-local folder such as /tmp"
+        )
 
 
 def _read_meta(folder: Path) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import mgpu_helpers.lm_train as lm_train
 from mgpu_helpers.dist_env import DistEnv
 from mgpu_helpers.jobs import JobResult, run_jobs, stop_tree
 from mgpu_helpers.launch import launch
@@ -210,11 +211,28 @@ def _gradients(env: DistEnv, parallel: str, summed: bool = False) -> dict[str, t
     return grads
 
 
-def _on_two_ranks(env: DistEnv) -> dict:
-    """The 2-rank launch: DDP's and FSDP2's gradients, right and summed."""
+def _blind_rank_refused(env: DistEnv, folder: Path) -> str | None:
+    """save_checkpoint with rank 1 made not to see the finished checkpoint (as on node-local
+    storage of another node): what this rank raised (None: nothing)."""
+    torch.manual_seed(0)
+    model = GPT(QUICK.model)
+    meta = {"settings": QUICK.settings(), "step": 0, "history": {}, "evals": {}}
+    sees = lm_train._sees
+    lm_train._sees = lambda path: env.rank != 1 and sees(path)
+    try:
+        save_checkpoint(folder / "ck", env, model, make_optimizer(model, QUICK), meta)
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        lm_train._sees = sees
+    return None
+
+
+def _on_two_ranks(env: DistEnv, folder: Path) -> dict:
+    """The 2-rank launch: DDP's and FSDP2's gradients, right and summed; a rank that is blind."""
     out = {p + (" summed" if summed else ""): _gradients(env, p, summed)
            for p in ("ddp", "fsdp") for summed in (False, True)}  # fmt: skip
-    return {"grads": out if env.is_main else None}
+    return {"grads": out if env.is_main else None, "blind": _blind_rank_refused(env, folder)}
 
 
 def _on_four_ranks(env: DistEnv) -> dict | None:
@@ -229,8 +247,9 @@ def one_device_gradients() -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[dict]:
-    return launch(_on_two_ranks, 2, device="cpu", echo=False, timeout=60)
+def two_ranks(tmp_path_factory) -> list[dict]:
+    folder = tmp_path_factory.mktemp("two_ranks")
+    return launch(_on_two_ranks, 2, folder, device="cpu", echo=False, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -265,6 +284,16 @@ def test_gradients_equal_one_devices_and_summed_ones_do_not(
     assert gap < GRAD_RTOL, f"{parallel}: gradients {gap:.1e} (relative) from one device's"
     summed = _gradient_gap(grads[parallel + " summed"], one_device_gradients)
     assert summed > 1000 * GRAD_RTOL, f"{parallel}: a summed gradient passed ({summed:.1e})"
+
+
+@pytest.mark.slow  # make test-long: the same 2-rank launch
+def test_a_rank_that_cannot_see_the_checkpoint_stops_every_rank(two_ranks):
+    """Rank 1 made not to see the checkpoint rank 0 renamed into place: both ranks raise at
+    once, naming the rank and the rule (no rank waits for it until the timeout)."""
+    for result in two_ranks:
+        assert result["blind"] is not None, "a blind rank was not noticed"
+        assert "rank(s) [1] do not see" in result["blind"]
+        assert "--snapshot must be on storage every node sees" in result["blind"]
 
 
 # --- torchrun jobs (make test-long) --------------------------------------------------------------
