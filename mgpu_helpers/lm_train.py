@@ -25,6 +25,8 @@ Precision: on the CPU the run is float32 throughout. On CUDA, forward and loss r
 before it looks at them, and DTensor's handler of its unscale op (``_amp_foreach_non_finite_
 check_and_unscale_``) reduces the found-inf flag with a max over the sharded mesh dimensions of
 the first gradient, so FSDP2's ranks skip the same steps (PyTorch's FSDP2 x TP tests use it too).
+FSDP2 and FSDP2 x TP need one rank per GPU (NCCL): ranks sharing a GPU over gloo are refused
+(:func:`check_backend`).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ __all__ = [
     "PARALLELS",
     "LMRun",
     "apply_gpt_tp",
+    "check_backend",
     "check_parallel",
     "find_checkpoint",
     "lesson_apply_fsdp",
@@ -181,6 +184,21 @@ def check_parallel(run: LMRun, world_size: int) -> tuple[int, int]:
             f"choose a multiple of {dp}"
         )
     return dp, tp
+
+
+def check_backend(run: LMRun, env: DistEnv) -> None:
+    """Refuse FSDP2 (and FSDP2 x TP) on CUDA ranks that talk over gloo (lesson 11).
+
+    ``DistEnv.from_environ`` gives ranks sharing a GPU the gloo backend; FSDP2's all-gathers and
+    reduce-scatters of CUDA tensors over gloo are not what these lessons test, so such a run
+    stops at once (ValueError) saying what to do instead.
+    """
+    if run.parallel in ("fsdp", "fsdp_tp") and env.backend == "gloo" and env.device.type == "cuda":
+        raise ValueError(
+            f"--parallel {run.parallel} on CUDA needs NCCL, one rank per GPU, but these ranks "
+            "share GPUs over gloo: start at most as many ranks per node as it has GPUs "
+            "(--nproc-per-node), or train on the CPU with --device cpu"
+        )
 
 
 @functools.lru_cache(maxsize=1)
@@ -444,6 +462,7 @@ def train_lm(env: DistEnv, run: LMRun) -> dict[str, Any]:
     precision (autocast; float16 with a GradScaler), on the CPU in float32.
     """
     dp, _ = check_parallel(run, env.world_size)
+    check_backend(run, env)
     dtype = training_dtype(env.device)  # float32 on the CPU
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     cfg = run.model

@@ -47,7 +47,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from mgpu_helpers.config import quick_from_env
 from mgpu_helpers.dist_env import DistEnv, exit_at_once
 from mgpu_helpers.lm import GPTConfig
-from mgpu_helpers.lm_train import PARALLELS, LMRun, check_parallel, train_lm
+from mgpu_helpers.lm_train import PARALLELS, LMRun, check_backend, check_parallel, train_lm
 from mgpu_helpers.placement import place
 from mgpu_helpers.run_control import (
     STOP_SIGNALS,
@@ -161,6 +161,10 @@ def main(argv: list[str] | None = None) -> None:
         train_lm(env, run)
         return
     env = DistEnv.from_environ(args.device)  # the one placement decision: device and backend
+    try:
+        check_backend(run, env)  # FSDP2 on GPUs shared over gloo: refused before any collective
+    except ValueError as exc:
+        raise SystemExit(f"train_lm.py: {exc}") from None
     for sig in STOP_SIGNALS:  # a stop from torchrun ends the run after a step, with a checkpoint
         signal.signal(sig, on_stop_signal)
     if env.device.type == "cuda":

@@ -31,6 +31,7 @@ from mgpu_helpers.lm import GPT, GPTConfig, get_batch, lm_loss, stdlib_bytes
 from mgpu_helpers.lm_train import (
     LMRun,
     _probe,
+    check_backend,
     check_parallel,
     find_checkpoint,
     lesson_apply_fsdp,
@@ -110,6 +111,17 @@ def test_weight_decay_spares_norms_and_the_position_embedding():
 def test_ranks_that_do_not_fit_are_refused_saying_why(parallel, world_size, changes, match):
     with pytest.raises(ValueError, match=match):
         check_parallel(replace(LMRun(), parallel=parallel, **changes), world_size)
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "fsdp_tp"])
+def test_fsdp_on_gpus_shared_over_gloo_is_refused_saying_what_to_do(parallel):
+    run = replace(LMRun(), parallel=parallel)
+    shared = DistEnv(0, 0, 4, torch.device("cuda", 0), "gloo")  # what from_environ gives them
+    with pytest.raises(ValueError, match="one rank per GPU.*--nproc-per-node.*--device cpu"):
+        check_backend(run, shared)
+    check_backend(run, DistEnv(0, 0, 4, torch.device("cpu"), "gloo"))  # the CPU: fine
+    check_backend(run, DistEnv(0, 0, 4, torch.device("cuda", 0), "nccl"))
+    check_backend(replace(run, parallel="ddp"), shared)  # DDP over gloo on GPUs: lesson 04's
 
 
 def test_fsdp_wrap_is_lesson_08bs_own():
