@@ -9,23 +9,20 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
-import time
 import types
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from procs import sigterm_once_written
 
 import mgpu_helpers.lm_train as lm_train
 from mgpu_helpers.dist_env import DistEnv
-from mgpu_helpers.jobs import JobResult, run_jobs, stop_tree
+from mgpu_helpers.jobs import JobResult, run_jobs
 from mgpu_helpers.launch import launch
 from mgpu_helpers.lm import GPT, GPTConfig, get_batch, lm_loss, stdlib_bytes
 from mgpu_helpers.lm_train import (
@@ -414,21 +411,9 @@ def test_sigterm_to_torchrun_stops_with_a_checkpoint_and_resumes_bit_for_bit(run
     checkpoint of it is written, no result.json; the same command resumes to the reference."""
     folder = runs["tmp"] / "sigterm"
     cmd = _cmd(folder, "fsdp", 2, "--snapshot", str(folder / "ck"), "--snapshot-every", "5")
-    log = runs["tmp"] / "sigterm.log"
-    with open(log, "wb") as out:
-        agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                 env={**os.environ, **ENV, "PYTHONUNBUFFERED": "1"},
-                                 start_new_session=True)  # fmt: skip
-        try:
-            deadline = time.monotonic() + TIMEOUT
-            while not (folder / "ck" / "meta.json").exists():  # step 5 is done
-                assert agent.poll() is None and time.monotonic() < deadline, log.read_text()
-                time.sleep(0.02)
-            agent.send_signal(signal.SIGTERM)
-            agent.wait(timeout=60)  # torchrun gives its workers 30 s before SIGKILL
-        finally:
-            stop_tree(agent)
-    text = log.read_text()
+    # once step 5's checkpoint is complete
+    text = sigterm_once_written(cmd, folder / "ck" / "meta.json", runs["tmp"] / "sigterm.log",
+                                ROOT, ENV, TIMEOUT)  # fmt: skip
     stops = re.findall(r"stopped by a signal after step (\d+)", text)
     assert len(stops) == 1, text
     meta = json.loads((folder / "ck" / "meta.json").read_text())

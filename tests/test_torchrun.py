@@ -16,10 +16,7 @@ import os
 import random
 import re
 import shutil
-import signal
-import subprocess
 import sys
-import time
 import types
 import uuid
 from pathlib import Path
@@ -27,9 +24,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from procs import sigterm_once_written
 
 from mgpu_helpers.dist_env import DistEnv
-from mgpu_helpers.jobs import JobResult, free_port, run_job, run_jobs, stop_tree
+from mgpu_helpers.jobs import JobResult, free_port, run_job, run_jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "train_ddp.py"
@@ -162,21 +160,9 @@ def test_sigterm_to_torchrun_stops_after_a_step_with_a_snapshot_and_resumes_bitw
     folder = runs["tmp"] / "sigterm"
     cmd = torchrun("--epochs", "2", "--snapshot", str(folder / "snap.pt"), "--snapshot-every", "5",
                    "--out", str(folder))  # fmt: skip
-    log = runs["tmp"] / "sigterm.log"
-    with open(log, "wb") as out:
-        agent = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                                 env={**os.environ, **ENV, "PYTHONUNBUFFERED": "1"},
-                                 start_new_session=True)  # fmt: skip
-        try:
-            deadline = time.monotonic() + TIMEOUT
-            while not (folder / "snap.pt").exists():  # step 5 is done: training is under way
-                assert agent.poll() is None and time.monotonic() < deadline, log.read_text()
-                time.sleep(0.05)
-            agent.send_signal(signal.SIGTERM)
-            agent.wait(timeout=60)  # torchrun gives its workers 30 s before SIGKILL
-        finally:
-            stop_tree(agent)
-    text = log.read_text()
+    # once step 5's snapshot exists, training is under way
+    text = sigterm_once_written(cmd, folder / "snap.pt", runs["tmp"] / "sigterm.log", ROOT, ENV,
+                                TIMEOUT)  # fmt: skip
     stops = re.findall(r"stopped by a signal after step (\d+): snapshot", text)
     assert len(stops) == 1, text
     snap = torch.load(folder / "snap.pt", weights_only=True)
