@@ -7,8 +7,11 @@ the lessons that taught them:
 - ``ddp``: ``DistributedDataParallel`` (lesson 04);
 - ``fsdp``: lesson 08b's own ``apply_fsdp``, read from its notebook (one FSDP2 group per block,
   then the root, which holds the tied embedding and head together);
-- ``fsdp_tp``: a 2-D mesh ``(dp, tp)``: :func:`apply_gpt_tp` on the ``tp`` rows, then the same
-  ``apply_fsdp`` on the ``dp`` columns, which is what lesson 09b's ``apply_2d`` does for its model.
+- ``fsdp_tp``: a 2-D mesh ``(dp, tp)``: the GPT's tensor-parallel plan on the ``tp`` rows, then
+  the same ``apply_fsdp`` on the ``dp`` columns, as lesson 09b's ``apply_2d`` does for its model.
+
+Lesson 11 writes those wraps in its cells (``apply_gpt_tp``, ``parallelize``); this module reads
+them from the notebook (:func:`lesson_parallelize`), and a notebook passes its own to ``train_lm``.
 
 Checkpoints are ``torch.distributed.checkpoint`` (DCP) folders written through
 ``get_state_dict``/``set_state_dict``, so one code path saves and loads a plain module, DDP,
@@ -40,7 +43,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +71,7 @@ from .dist_env import DistEnv
 from .lesson_code import load_lesson_code
 from .lm import GPT, GPTConfig, evaluate, generate, get_batch, lm_loss, stdlib_bytes
 from .mfu import training_dtype
+from .progress import progress_bar
 from .run_control import maybe_die, node_name, retries_refuse_alike, sibling, stop_requested
 from .tensor_parallel import check_heads
 
@@ -76,16 +80,19 @@ __all__ = [
     "MUST_MATCH",
     "PARALLELS",
     "LMRun",
-    "apply_gpt_tp",
     "check_backend",
     "check_parallel",
     "find_checkpoint",
+    "QUICK",
     "lesson_apply_fsdp",
+    "lesson_parallelize",
     "load_checkpoint",
     "lr_at",
     "make_optimizer",
     "parallelize",
+    "quick_run",
     "save_checkpoint",
+    "script_args",
     "train_lm",
     "training_autocast",
 ]
@@ -124,12 +131,52 @@ class LMRun:
     kill_at_step: int | None = None  # fault injection: a rank dies before this step
     kill_rank: int = 0  # ... this rank
     restarts: int = 0  # the job's restarts before this attempt
+    progress: bool = False  # rank 0 draws a progress bar over the steps (the notebook's runs)
 
     def settings(self) -> dict[str, Any]:
         """The run's settings as plain values (in checkpoints and result.json)."""
         keep = MUST_MATCH + ("snapshot_every",)
         values = {k: v for k, v in asdict(self).items() if k in keep}
         return {**values, "model": asdict(self.model)}
+
+
+# Quick mode (tests, make course QUICK=1, scripts/train_lm.py --quick): a small model on a slice of
+# the text, seconds on a CPU.
+QUICK: dict[str, Any] = {
+    "d_model": 64, "n_layers": 2, "seq_len": 64, "steps": 20, "batch_size": 8,
+    "data_limit": 300_000, "val_limit": 60_000, "eval_every": 10, "eval_batches": 2,
+    "lr": 3e-3, "warmup": 5,
+}  # fmt: skip
+
+
+def quick_run(run: LMRun) -> LMRun:
+    """``run`` with QUICK's sizes and budget (lesson 11's quick mode); the rest as it was."""
+    sizes = {k: v for k, v in QUICK.items() if k in GPTConfig.__dataclass_fields__}
+    rest = {k: v for k, v in QUICK.items() if k not in sizes}
+    return replace(run, model=replace(run.model, **sizes), **rest)
+
+
+# What scripts/train_lm.py has no option for: a run that changed them cannot go to the script.
+_NOT_ON_THE_COMMAND_LINE = ("vocab_size", "mlp_ratio", "weight_decay")
+
+
+def script_args(run: LMRun) -> list[str]:
+    """``scripts/train_lm.py``'s options for ``run``'s settings (lesson 11 runs the same training
+    under torchrun); --snapshot, --out and the fault injection are the caller's to add.
+
+    ValueError names a setting the script has no option for, when ``run`` changed it.
+    """
+    defaults = {**asdict(GPTConfig()), **asdict(LMRun())}
+    given = {**asdict(run.model), **asdict(run)}
+    if changed := [k for k in _NOT_ON_THE_COMMAND_LINE if given[k] != defaults[k]]:
+        raise ValueError(f"scripts/train_lm.py has no option for {', '.join(changed)}: "
+                         "keep their defaults to run this training as the script")  # fmt: skip
+    names = ("d_model", "n_layers", "n_heads", "seq_len", "steps", "batch_size", "lr", "warmup",
+             "eval_every", "eval_batches", "seed", "tp", "snapshot_every")  # fmt: skip
+    values = {k: given[k] for k in names} | {k: run.__dict__[k] or 0
+                                             for k in ("data_limit", "val_limit")}  # fmt: skip
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in values.items()]
+    return ["--full", f"--parallel={run.parallel}", *options]
 
 
 def lr_at(step: int, run: LMRun) -> float:
@@ -215,43 +262,32 @@ def lesson_apply_fsdp() -> Callable[..., nn.Module]:
     return lesson.apply_fsdp
 
 
-def apply_gpt_tp(model: GPT, tp_mesh: DeviceMesh) -> GPT:
-    """Tensor parallelism on the GPT's blocks, in place (lesson 11, after lesson 09a's plan).
+def lesson_parallelize() -> Callable[[GPT, LMRun, DistEnv], tuple[nn.Module, int, int]]:
+    """Lesson 11's own ``parallelize``, read from its notebook with its ``apply_gpt_tp``.
 
-    The plan is lesson 09a's (q, k, v and the MLP's up column-parallel; out and down
-    row-parallel), but 09a's ``apply_tp`` walks its own model (``model.layers``, the norm inside
-    the attention module, ``ff``), so it cannot wrap the GPT. The embeddings, the norms and the
-    head stay whole on every tensor-parallel rank: the head's weight IS the token embedding's,
-    and a vocabulary-parallel cut of one would have to be the other's too. ``src_data_rank=None``:
-    every rank built the same seeded weights and keeps its own cut.
+    The lesson writes the wraps in its cells (DDP; 08b's ``apply_fsdp``; the GPT's
+    tensor-parallel plan, then ``apply_fsdp`` on the 2-D mesh's ``dp`` columns);
+    ``scripts/train_lm.py``, the benchmark and the tests run those cells' code, never a copy.
     """
-    check_heads(model.cfg.n_heads, tp_mesh.size())
-    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
-            "attn.v": ColwiseParallel(), "attn.out": RowwiseParallel(),
-            "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
-    for block in model.blocks:
-        parallelize_module(block, tp_mesh, plan, src_data_rank=None)
-    return model
+    namespace = {
+        "GPT": GPT, "LMRun": LMRun, "DistEnv": DistEnv, "DeviceMesh": DeviceMesh, "nn": nn,
+        "DDP": DDP, "init_device_mesh": init_device_mesh, "check_parallel": check_parallel,
+        "check_heads": check_heads, "parallelize_module": parallelize_module,
+        "ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
+        "apply_fsdp": lesson_apply_fsdp(),
+    }  # fmt: skip
+    lesson = load_lesson_code("11", ["apply_gpt_tp", "parallelize"], namespace,
+                              course_root() / "notebooks")  # fmt: skip
+    return lesson.parallelize
+
+
+_lesson_parallelize = functools.lru_cache(maxsize=1)(lesson_parallelize)
 
 
 def parallelize(model: GPT, run: LMRun, env: DistEnv) -> tuple[nn.Module, int, int]:
-    """``model`` wrapped for ``run.parallel``; also this rank's data-parallel index and count.
-
-    Ranks of one tensor-parallel row share a data-parallel index: they read the same rows.
-    """
-    dp, tp = check_parallel(run, env.world_size)
-    if run.parallel == "single":
-        return model, 0, 1
-    if run.parallel == "ddp":
-        ids = [env.device.index] if env.device.type == "cuda" else None
-        return DDP(model, device_ids=ids), env.rank, env.world_size
-    if run.parallel == "fsdp":
-        mesh = init_device_mesh(env.device.type, (env.world_size,))
-        return lesson_apply_fsdp()(model, mesh), env.rank, env.world_size
-    mesh = init_device_mesh(env.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-    apply_gpt_tp(model, mesh["tp"])
-    lesson_apply_fsdp()(model, mesh["dp"])
-    return model, mesh["dp"].get_local_rank(), dp
+    """``model`` wrapped for ``run.parallel`` by lesson 11's own ``parallelize`` (its notebook's
+    cell); also this rank's data-parallel index and the data-parallel size."""
+    return _lesson_parallelize()(model, run, env)
 
 
 # --- DCP checkpoints, by lesson 07's rules -------------------------------------------------------
@@ -453,13 +489,18 @@ def training_autocast(device: torch.device) -> contextlib.AbstractContextManager
     return contextlib.nullcontext()
 
 
-def train_lm(env: DistEnv, run: LMRun) -> dict[str, Any]:
+def train_lm(
+    env: DistEnv,
+    run: LMRun,
+    parallelize: Callable[[GPT, LMRun, DistEnv], tuple[nn.Module, int, int]] | None = None,
+) -> dict[str, Any]:
     """One rank's training run of lesson 11's GPT; returns what result.json holds.
 
     The global batch of step s is ``get_batch(train, s, ...)``, each data-parallel rank taking its
     rows, so every parallelism trains on the same sequences as one device. Resumes from
     ``run.snapshot`` when a usable checkpoint is there. On CUDA in ``training_dtype``'s
-    precision (autocast; float16 with a GradScaler), on the CPU in float32.
+    precision (autocast; float16 with a GradScaler), on the CPU in float32. ``parallelize``
+    wraps the model (default: lesson 11's, read from its notebook; the notebook passes its own).
     """
     dp, _ = check_parallel(run, env.world_size)
     check_backend(run, env)
@@ -471,7 +512,8 @@ def train_lm(env: DistEnv, run: LMRun) -> dict[str, Any]:
     settings = {**run.settings(), "world_size": env.world_size}
     found = find_checkpoint(run.snapshot, env, settings)
     torch.manual_seed(run.seed)  # every rank builds the same weights; the wraps cut them
-    model, dp_rank, dp_size = parallelize(GPT(cfg).to(env.device), run, env)
+    wrap = parallelize if parallelize is not None else _lesson_parallelize()
+    model, dp_rank, dp_size = wrap(GPT(cfg).to(env.device), run, env)
     optimizer = make_optimizer(model, run)
     history: dict[str, list] = {"step": [], "train_loss": [], "lr": []}
     evals: dict[str, list] = {"step": [], "val_loss": []}
@@ -498,13 +540,15 @@ def train_lm(env: DistEnv, run: LMRun) -> dict[str, Any]:
                             dp_rank, dp_size, env.device)
         evals["step"].append(step)
         evals["val_loss"].append(_mean_over_ranks(torch.tensor(loss, device=env.device)))
-        if env.is_main:
+        if env.is_main and not run.progress:  # a bar shows the run; the lesson plots these
             print(f"step {step}: validation loss {evals['val_loss'][-1]:.4f}", flush=True)
 
     if start_step == 0 and run.eval_every:
         validate(0)  # the untrained model's loss: about log(256) = 5.55
     model.train()
     seconds, timed_steps = 0.0, 0
+    bar = progress_bar(total=run.steps, initial=start_step, desc=f"{run.parallel} steps",
+                       unit="step", disable=not (run.progress and env.is_main))  # fmt: skip
     for step in range(start_step, run.steps):
         if step == run.kill_at_step:
             maybe_die(env, run)  # fault injection (first attempt only)
@@ -529,7 +573,9 @@ def train_lm(env: DistEnv, run: LMRun) -> dict[str, Any]:
             seconds += time.perf_counter() - began
             timed_steps += 1
         done = step + 1
-        if env.is_main and (done % 10 == 0 or done == run.steps):
+        bar.update()
+        bar.set_postfix(loss=f"{history['train_loss'][-1]:.3f}", refresh=False)
+        if env.is_main and not run.progress and (done % 10 == 0 or done == run.steps):
             print(f"step {done}/{run.steps}: train loss {history['train_loss'][-1]:.4f}",
                   flush=True)
         if run.eval_every and (done % run.eval_every == 0 or done == run.steps):
@@ -540,9 +586,11 @@ def train_lm(env: DistEnv, run: LMRun) -> dict[str, Any]:
         ):
             checkpoint(done)
         if stopping:
+            bar.close()
             if env.is_main:
                 print(f"stopped by a signal after step {done}: the same command resumes")
             return {"stopped_after_step": done}
+    bar.close()
     tokens = timed_steps * run.batch_size * cfg.seq_len
     outcome = {
         "parallel": run.parallel, "world_size": env.world_size, "mesh": [dp, env.world_size // dp],

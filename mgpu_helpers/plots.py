@@ -20,6 +20,7 @@ __all__ = [
     "plot_batch_split",
     "plot_history",
     "plot_ideal_schedule",
+    "plot_lm_losses",
     "plot_memory",
     "plot_micro_batch_sweep",
     "plot_throughput",
@@ -614,4 +615,29 @@ def plot_activation_peaks(peaks: Mapping[str, Sequence[int]], n_micro: int) -> F
     ax.set_title(f"saved activations per stage, S={len(stages)}, M={n_micro}")
     ax.legend(fontsize="small", loc="upper center", ncols=2)
     fig.tight_layout()
+    return fig
+
+
+def plot_lm_losses(runs: Mapping[str, Mapping], vocab_size: int = 256) -> Figure:
+    """Lesson 11: training loss per step (thin) and validation loss (markers) of each run.
+
+    ``runs`` maps a name to what ``lm_train.train_lm`` returned (its ``history`` and ``evals``).
+    A dotted line marks log(vocab_size), the loss of a model that guesses uniformly.
+    """
+    if not runs:
+        raise ValueError("plot_lm_losses needs at least one run")
+    fig = Figure(figsize=(8, 4), layout="constrained")
+    ax = fig.subplots()
+    for i, (name, outcome) in enumerate(runs.items()):
+        history, evals = outcome["history"], outcome["evals"]
+        ax.plot(history["step"], history["train_loss"], color=f"C{i % 10}", linewidth=0.8,
+                alpha=0.6, label=f"{name} train")  # fmt: skip
+        ax.plot(evals["step"], evals["val_loss"], "o-", color=f"C{i % 10}",
+                label=f"{name} validation")  # fmt: skip
+    ax.axhline(math.log(vocab_size), color="grey", linestyle=":",
+               label=f"uniform guess, log {vocab_size} = {math.log(vocab_size):.2f}")  # fmt: skip
+    ax.set(xlabel="optimizer step", ylabel="loss (nats per byte)", title="next-byte loss")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend(**_BESIDE)
     return fig

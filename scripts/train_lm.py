@@ -47,7 +47,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from mgpu_helpers.config import quick_from_env
 from mgpu_helpers.dist_env import DistEnv, exit_at_once
 from mgpu_helpers.lm import GPTConfig
-from mgpu_helpers.lm_train import PARALLELS, LMRun, check_backend, check_parallel, train_lm
+from mgpu_helpers.lm_train import (
+    PARALLELS,
+    QUICK,
+    LMRun,
+    check_backend,
+    check_parallel,
+    train_lm,
+)
 from mgpu_helpers.placement import place
 from mgpu_helpers.run_control import (
     STOP_SIGNALS,
@@ -67,12 +74,6 @@ HELP = {"steps": "optimizer steps ", "batch_size": "global batch of sequences ",
         "data_limit": "training bytes read, 0: all ", "val_limit": "validation bytes read ",
         "eval_every": "validation loss every N steps, 0: never ", "lr": "AdamW's peak rate ",
         "warmup": "warm-up steps ", "eval_batches": "validation batches "}  # fmt: skip
-# Quick mode: a small model on a slice of the text, seconds on a CPU.
-QUICK = {"d_model": 64, "n_layers": 2, "seq_len": 64, "steps": 20, "batch_size": 8,
-         "data_limit": 300_000, "val_limit": 60_000, "eval_every": 10, "eval_batches": 2,
-         "lr": 3e-3, "warmup": 5}  # fmt: skip
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line; argparse runs before any distributed code, so --help works anywhere."""
     p = argparse.ArgumentParser(

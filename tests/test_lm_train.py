@@ -201,6 +201,23 @@ def test_script_without_torchrun_says_how_to_start_it(monkeypatch):
     assert script.run_options(args, 1).model.d_model == 64
 
 
+def test_script_args_give_the_script_the_same_run_and_quick_run_applies_quick_mode():
+    """Lesson 11 runs its notebook's training as scripts/train_lm.py: the options script_args
+    writes must parse back into the same LMRun (quick mode's sizes included), whatever
+    $MGPU_QUICK says."""
+    script = _script()
+    for run in (lm_train.quick_run(LMRun(parallel="fsdp", seed=3, snapshot_every=10)),
+                LMRun(parallel="fsdp_tp", steps=7, lr=1e-3, data_limit=None, tp=2)):
+        parsed = script.run_options(script.parse_args(lm_train.script_args(run)), 4)
+        assert replace(parsed, kill_rank=0) == run
+    quick = lm_train.quick_run(LMRun(seed=5))
+    assert quick.model.d_model == lm_train.QUICK["d_model"]
+    assert quick.steps == lm_train.QUICK["steps"]
+    assert quick.seed == 5 and quick.model.vocab_size == 256
+    with pytest.raises(ValueError, match="no option for weight_decay"):
+        lm_train.script_args(LMRun(weight_decay=0.0))
+
+
 # --- gradients and checkpoints on real ranks (mgpu_helpers.launch) -----------------------------
 def _gradients(env: DistEnv, parallel: str, summed: bool = False) -> dict[str, torch.Tensor]:
     """The full gradients after one forward and backward of QUICK's GPT on step 0's batch under

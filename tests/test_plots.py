@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 
 import matplotlib
 
@@ -15,7 +16,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.transforms import Bbox  # noqa: E402
 
-from mgpu_helpers.plots import plot_history, plot_throughput  # noqa: E402
+from mgpu_helpers.plots import plot_history, plot_lm_losses, plot_throughput  # noqa: E402
 from mgpu_helpers.train import History  # noqa: E402
 
 
@@ -251,3 +252,16 @@ def test_ideal_schedule_counts_whole_slots_and_says_stage_in_the_singular() -> N
     ax = fig.axes[0]
     assert all(float(t).is_integer() for t in ax.get_xticks())
     assert "S=1 stage," in ax.get_title() and "M=1 micro-batch," in ax.get_title()
+
+
+def test_plot_lm_losses_draws_train_and_validation_per_run_and_the_uniform_line():
+    outcome = {"history": {"step": [1, 2, 3], "train_loss": [5.5, 4.0, 3.0]},
+               "evals": {"step": [0, 3], "val_loss": [5.6, 3.2]}}
+    fig = plot_lm_losses({"ddp": outcome, "fsdp": outcome})
+    ax = fig.axes[0]
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels[:4] == ["ddp train", "ddp validation", "fsdp train", "fsdp validation"]
+    assert list(ax.get_lines()[1].get_ydata()) == [5.6, 3.2]
+    assert ax.get_lines()[-1].get_ydata()[0] == pytest.approx(math.log(256))
+    with pytest.raises(ValueError, match="at least one run"):
+        plot_lm_losses({})
