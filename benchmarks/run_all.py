@@ -34,6 +34,7 @@ from matplotlib.figure import Figure
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a source checkout without installing
 
+from mgpu_helpers.lm_bench import draw_variant_bars  # noqa: E402
 from mgpu_helpers.plots import plot_bandwidth, plot_micro_batch_sweep  # noqa: E402
 from mgpu_helpers.util import write_json  # noqa: E402
 
@@ -339,20 +340,14 @@ def _lm(r: Mapping) -> list[Headline]:
 
 def _plot_lm(r: Mapping) -> Figure:
     """Tokens/s per variant (median, range of rounds) and one device's MFU against model size."""
-    res, names = r["results"], list(r["results"])
+    res = r["results"]
     fig = Figure(figsize=(11, 4))
     speed, sweep = fig.subplots(1, 2)
-    med = [res[n]["tokens_per_s"] for n in names]
-    tokens = r["batch"] * r["config"]["seq_len"]
-    low = [m - tokens / max(res[n]["seconds_per_round"]) for m, n in zip(med, names, strict=True)]
-    high = [tokens / min(res[n]["seconds_per_round"]) - m for m, n in zip(med, names, strict=True)]
-    speed.bar(names, med, color=[f"C{i}" for i in range(len(names))])
-    speed.errorbar(range(len(names)), med, [low, high], fmt="none", ecolor="black", capsize=4)
-    for i, n in enumerate(names):
-        speed.annotate(f"MFU {res[n]['mfu']:.1%}", (i, med[i]), ha="center", va="bottom")
+    draw_variant_bars(speed, r, "tokens_per_s")
+    for i, row in enumerate(res.values()):
+        speed.annotate(f"MFU {row['mfu']:.1%}", (i, row["tokens_per_s"]), ha="center", va="bottom")
     title = "tokens/s (median, range)" + ("" if r["timings_meaningful"] else ": NOISY")
     speed.set(title=title, ylabel="tokens per second")
-    speed.grid(axis="y", alpha=0.3)
     params = [row["parameters"] for row in r["sweep"]]
     sweep.plot(params, [100 * row["mfu"] for row in r["sweep"]], marker="o")
     sweep.axhline(30, color="0.5", lw=0.8, ls="--", label="30%")

@@ -2,7 +2,8 @@
 
 One quick run on 4 gloo processes (one launch: single, ddp, fsdp, fsdp_tp), then the one-device
 sweep. Only what is exact is asserted: the fields, the FLOP formula's numbers, MFU as the
-arithmetic of the measured numbers; never a speed.
+arithmetic of the measured numbers; never a speed. The measurement it shares with lesson 11's
+notebook (mgpu_helpers.lm_bench) has its own tests in test_lm_bench.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from benchmark_run import load_benchmark, run_benchmark
 
 from mgpu_helpers.lm import GPTConfig
-from mgpu_helpers.mfu import compile_available, flops_per_token
+from mgpu_helpers.mfu import flops_per_token
 
 benchmark = load_benchmark("lm")
 run_all = load_benchmark("run_all")
@@ -79,32 +80,10 @@ def test_run_all_reads_it_and_draws_it(result: tuple[str, dict], tmp_path: Path)
     assert "lm" in run_all.BENCHMARKS and "lm" in run_all.READERS
 
 
-def test_variants_follow_the_world_size() -> None:
-    assert benchmark.variants_for(1, 4) == ("single",)
-    assert benchmark.variants_for(2, 4) == ("single", "ddp", "fsdp")
-    assert benchmark.variants_for(4, 4) == ("single", "ddp", "fsdp", "fsdp_tp")
-    assert benchmark.variants_for(4, 3) == ("single", "ddp", "fsdp")  # 3 heads: no 2-way TP
-
-
 def test_the_sweep_names_the_first_size_past_30_percent() -> None:
     rows = [{"mfu": 0.1, "n": 1}, {"mfu": 0.31, "n": 2}, {"mfu": 0.5, "n": 3}]
     assert benchmark.passes_at(rows)["n"] == 2
     assert benchmark.passes_at(rows[:1]) is None
-
-
-def test_summary_arithmetic_on_given_times() -> None:
-    cfg = GPTConfig(seq_len=16, d_model=32, n_layers=2)
-    times = {"single": [0.4, 0.5, 0.6, 0.5, 0.5], "ddp": [0.2, 0.25, 0.3, 0.25, 0.25]}
-    res = benchmark.summarize(times, ("single", "ddp"), 2, 8, cfg, {"flops": 1e9})
-    assert res["single"]["tokens_per_s"] == pytest.approx(8 * 16 / 0.5)
-    assert res["single"]["mfu"] == pytest.approx(8 * 16 / 0.5 * flops_per_token(cfg) / 1e9)
-    assert res["ddp"]["mfu"] == pytest.approx(8 * 16 / 0.25 * flops_per_token(cfg) / 2e9)
-    assert res["ddp"]["speedup"] == pytest.approx(2.0) and res["ddp"]["speedup_meaningful"]
-    assert res["ddp"]["scaling_efficiency"] == pytest.approx(1.0)
-    times[benchmark.NO_SYNC] = [0.15, 0.2, 0.2, 0.2, 0.1]  # DDP's step without its all-reduce
-    res = benchmark.summarize(times, ("single", "ddp"), 2, 8, cfg, {"flops": 1e9})
-    assert res["ddp"]["communication_share"] == pytest.approx(1 - 0.2 / 0.25)
-    assert benchmark.NO_SYNC not in res  # a measurement of ddp's, not a variant
 
 
 def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
@@ -118,30 +97,6 @@ def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit) as stopped:
             benchmark.parse_args(["--quick", "--device", "cpu", *args])
         assert stopped.value.code == 2 and message in capsys.readouterr().err
-
-
-def test_compile_check_without_a_compiler_reports_why(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from torch._inductor import config
-
-    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler on it
-    with config.patch({"cpp.cxx": (None, "g++")}):
-        result = benchmark.compile_check(torch.device("cpu"), GPTConfig(), 2, 1, 1)
-    assert result == {"available": False, "why": compile_available("cpu")[1]}
-    assert "no compiler runs here" in result["why"]
-
-
-@pytest.mark.slow  # make test-long: inductor compiles the step's C++ (a minute on 2 busy cores)
-@pytest.mark.skipif(not compile_available("cpu")[0], reason=compile_available("cpu")[1])
-def test_compiled_training_matches_eager_on_the_cpu() -> None:
-    cfg = GPTConfig(seq_len=32, d_model=32, n_layers=2, n_heads=4)
-    result = benchmark.compile_check(torch.device("cpu"), cfg, 4, 3, 3)
-    assert result["available"] is True and len(result["compiled_loss"]) == 3
-    # float32: inductor's fused kernels sum in another order, so not bitwise (see the tolerance)
-    assert result["max_abs_diff"] <= benchmark.COMPILE_TOLERANCE["cpu"] == 1e-4
-    assert result["eager_loss"][0] == pytest.approx(5.55, abs=0.3)  # about log(256): untrained
-    assert result["speedup"] > 0 and len(result["seconds"]["compiled"]) == 3
 
 
 @pytest.mark.gpu
