@@ -206,8 +206,24 @@ def test_compile_check_without_a_compiler_reports_why(
     monkeypatch.setenv("PATH", str(tmp_path))  # no compiler on it
     with config.patch({"cpp.cxx": (None, "g++")}):
         result = compile_check(torch.device("cpu"), GPTConfig(), 2, 1, 1)
-    assert result == {"available": False, "why": compile_available("cpu")[1]}
+    assert result == {"available": False, "why": compile_available("cpu")[1], "backend": "inductor"}
     assert "no compiler runs here" in result["why"]
+
+
+def test_aot_eager_captures_the_training_step_without_a_compiler(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lesson 11's quick mode: the graphs captured, run with eager kernels; no C++ compiler needed,
+    and the losses equal eager's within the tolerance."""
+    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler on it: aot_eager does not need one
+    result = compile_check(torch.device("cpu"), TINY, 4, 2, 1, backend="aot_eager")
+    assert result["available"] is True and result["backend"] == "aot_eager"
+    assert result["max_abs_diff"] <= COMPILE_TOLERANCE["cpu"]
+    text = compile_text(result)
+    assert text.startswith("torch.compile (aot_eager) against eager, 2 steps: losses agree")
+    assert "no speed-up is expected" in text
+    with pytest.raises(ValueError, match="backend must be one of"):
+        compile_check(torch.device("cpu"), TINY, 4, 2, 1, backend="tvm")
 
 
 @pytest.mark.slow  # make test-long: inductor compiles the step's C++ (a minute on 2 busy cores)
