@@ -149,6 +149,8 @@ SETTINGS = {
         {"DATASET": "synthetic", "MODEL": "cnn"},
     ],
     "05": [{"DATASET": "fashionmnist"}, {"DATASET": "cifar10"}, {"DATASET": "synthetic"}],
+    # Lesson 11's main run and its torchrun resume with the other wraps (4 ranks for the 2-D mesh)
+    "11": [{"PARALLEL": "fsdp"}, {"PARALLEL": "fsdp_tp", "WORLD_SIZE": 4}],
 }
 
 
