@@ -7,6 +7,8 @@ FashionMNIST come through torchvision and download into the course's ``data/`` f
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
 import os
 import threading
 import urllib.error
@@ -15,7 +17,9 @@ import urllib.request
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
@@ -54,17 +58,37 @@ INFO = {
 }
 
 
+def _digits_table(csv: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The digits' pixels (1,797 x 64) and labels, as scikit-learn's ``load_digits`` gives them.
+
+    Read from the gzipped table inside the installed scikit-learn, as ``load_digits`` reads it,
+    without importing scikit-learn: that import takes about a second in every process that
+    loads the data (each torchrun rank of lesson 07). ``csv``: that table elsewhere (tests); if
+    the file is missing (a future scikit-learn), ``load_digits`` itself (lesson 02).
+    """
+    if csv is None:
+        spec = importlib.util.find_spec("sklearn")  # finds the package, runs none of it
+        places = spec.submodule_search_locations if spec is not None else None
+        csv = Path(places[0], "datasets", "data", "digits.csv.gz") if places else None
+    if csv is None or not csv.is_file():
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        return bunch.data, bunch.target
+    with gzip.open(csv, mode="rt", encoding="utf-8") as table:
+        rows = np.loadtxt(table, delimiter=",")
+    return rows[:, :-1], rows[:, -1].astype(int)
+
+
 def digits(train: bool = True, test_fraction: float = 0.2) -> TensorDataset:
     """scikit-learn's 1,797 handwritten digits as 1x8x8 images, standardised.
 
     The train/test split is fixed (seed 0), whatever the lesson's seed, so that every lesson
     and every run evaluates on the same held-out digits.
     """
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    x = torch.tensor(bunch.data, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
-    y = torch.tensor(bunch.target, dtype=torch.long)
+    pixels, labels = _digits_table()
+    x = torch.tensor(pixels, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(labels, dtype=torch.long)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     n_test = int(round(len(y) * test_fraction))
     train_idx, test_idx = order[n_test:], order[:n_test]

@@ -8,6 +8,8 @@ import os
 import pickle
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -48,6 +50,20 @@ def test_digits_split_sizes_and_shapes(digits_data):
     x, y = train.tensors
     assert x.shape == (len(train), 1, 8, 8) and x.dtype == torch.float32
     assert y.dtype == torch.long and set(y.tolist()) == set(range(10))
+
+
+def test_digits_table_is_load_digits_read_without_importing_scikit_learn(tmp_path):
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    for where in (None, tmp_path / "missing.csv.gz"):  # the bundled table; load_digits itself
+        pixels, labels = data_module._digits_table(where)
+        assert np.array_equal(pixels, bunch.data) and np.array_equal(labels, bunch.target)
+        assert pixels.dtype == bunch.data.dtype and labels.dtype == bunch.target.dtype
+    code = "import sys\nfrom mgpu_helpers.data import digits\n"
+    code += "digits()\nprint('sklearn' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr  # about a second saved in every process
 
 
 def test_digits_split_is_fixed_whatever_the_global_seed(digits_data):
