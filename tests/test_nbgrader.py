@@ -1,9 +1,10 @@
 """nbgrader grades the lessons as committed (docs/instructors.md, "Autograding").
 
-A fast test checks that every lesson's exercises carry the cell metadata nbgrader needs. A slow
-one grades lesson 00 with real nbgrader 0.9, installed in its own environment (``.venv-grading``,
-which `make test` creates and names in ``MGPU_NBGRADER``), through ``grading/nbgrader_config.py``:
-the student edition must score 0, the solutions full points and one wrong answer partial points.
+A fast test checks that every lesson's exercises carry the cell metadata nbgrader needs. Two
+slower ones grade lesson 00 with real nbgrader 0.9, installed in its own environment
+(``.venv-grading``, which `make test` creates and names in ``MGPU_NBGRADER``), through
+``grading/nbgrader_config.py``: the student edition must score 0 and one wrong answer partial
+points (make test), the solutions full points (make test-long).
 """
 
 from __future__ import annotations
@@ -93,8 +94,11 @@ def _wrong(source: str) -> str:
     return "\n".join([*lines[: begin + 1], f"{indent}return None", *lines[end:]])
 
 
-@pytest.mark.notebook
-def test_nbgrader_scores_stubs_zero_solutions_full_and_a_wrong_answer_partly(tmp_path):
+def _grade(tmp_path: Path, students: tuple[str, ...]) -> tuple[dict, Path, int]:
+    """Lesson 00 released and graded by real nbgrader for ``students``, each one of "stubs"
+    (the student edition nbgrader released), "solved" (the lesson as committed) and "wrong"
+    (its first answer replaced by ``return None``): each one's (score, max score), the course
+    folder and the number of exercises."""
     nbgrader = _nbgrader()
     lesson = LESSONS[0]  # lesson 00: the quickest to run, with two exercises
     course = tmp_path / "grading"
@@ -117,22 +121,38 @@ def test_nbgrader_scores_stubs_zero_solutions_full_and_a_wrong_answer_partly(tmp
     wrong = nbformat.read(source, as_version=4)
     first = next(cell for cell in wrong.cells if is_solution_cell(cell))
     first.source = _wrong(first.source)
-    for student, nb in (("stubs", released), ("solved", solved), ("wrong", wrong)):
+    editions = {"stubs": released, "solved": solved, "wrong": wrong}
+    for student in students:
         folder = course / "submitted" / student / "ps"
         folder.mkdir(parents=True)
-        nbformat.write(nb, folder / lesson.name)
+        nbformat.write(editions[student], folder / lesson.name)
 
     _run(nbgrader, "autograde", "ps", "--force", cwd=course)
     _run(nbgrader, "export", cwd=course)
     with open(course / "grades.csv") as f:
         rows = list(csv.DictReader(f))
     scores = {row["student_id"]: (float(row["score"]), float(row["max_score"])) for row in rows}
-    n = len(exercise_check_indices(solved))
-    assert scores == {"stubs": (0.0, n), "solved": (n, n), "wrong": (n - 1, n)}
+    return scores, course, len(exercise_check_indices(solved))
 
-    graded = nbformat.read(course / "autograded" / "wrong" / "ps" / lesson.name, as_version=4)
+
+# Each submission is a kernel run of lesson 00 (~10 s): make test grades two, the student
+# edition and one wrong answer among solved exercises (whose points show that a solution
+# scores); make test-long grades the whole solved lesson.
+@pytest.mark.notebook
+def test_nbgrader_scores_stubs_zero_and_a_wrong_answer_partly(tmp_path: Path) -> None:
+    scores, course, n = _grade(tmp_path, ("stubs", "wrong"))
+    assert scores == {"stubs": (0.0, n), "wrong": (n - 1, n)}
+
+    graded = nbformat.read(course / "autograded" / "wrong" / "ps" / LESSONS[0].name, as_version=4)
     first_check = graded.cells[exercise_check_indices(graded)[0]]
     kinds = [out.output_type for out in first_check.outputs]
     assert kinds[-1] == "error" and first_check.outputs[-1].ename == "CheckFailed"
     shown = first_check.outputs[0].data["text/plain"]
     assert shown.startswith("FAIL  exercise 1") and "hint:" in shown  # the learner's feedback
+
+
+@pytest.mark.slow
+@pytest.mark.notebook
+def test_nbgrader_scores_the_solutions_full(tmp_path: Path) -> None:
+    scores, _, n = _grade(tmp_path, ("solved",))
+    assert scores == {"solved": (n, n)}
