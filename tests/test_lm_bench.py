@@ -22,12 +22,13 @@ from matplotlib.figure import Figure  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mgpu_helpers.dist_env import DistEnv  # noqa: E402
-from mgpu_helpers.launch import WorkerError  # noqa: E402
-from mgpu_helpers.lm import GPT, GPTConfig  # noqa: E402
+from mgpu_helpers.launch import WorkerError, launch  # noqa: E402
+from mgpu_helpers.lm import GPT, GPTConfig, stdlib_bytes  # noqa: E402
 from mgpu_helpers.lm_bench import (  # noqa: E402
     COMPILE_TOLERANCE,
     NO_SYNC,
     NOISY,
+    Trainer,
     compile_check,
     compile_text,
     measure_variants,
@@ -63,7 +64,30 @@ def test_summary_arithmetic_on_given_times() -> None:
     times[NO_SYNC] = [0.15, 0.2, 0.2, 0.2, 0.1]  # DDP's step without its all-reduce
     res = summarize(times, ("single", "ddp"), 2, 8, cfg, {"flops": 1e9})
     assert res["ddp"]["communication_share"] == pytest.approx(1 - 0.2 / 0.25)
+    assert res["ddp"]["communication_meaningful"]  # faster in every round
+    times[NO_SYNC] = [0.3, 0.2, 0.2, 0.2, 0.2]  # one round slower: the rounds disagree
+    assert not summarize(times, ("single", "ddp"), 2, 8, cfg, {"flops": 1e9})["ddp"][
+        "communication_meaningful"
+    ]
     assert NO_SYNC not in res  # a measurement of ddp's, not a variant
+
+
+def _gradients_agree(env: DistEnv, no_sync: bool) -> bool:
+    """One DDP step of lesson 11's Trainer; do the ranks end with the same gradients?"""
+    trainer = Trainer(env, "ddp", TINY, 4, stdlib_bytes("train", 20_000), no_sync=no_sync)
+    trainer.step()
+    grad = trainer.model.module.blocks[0].mlp.up.weight.grad.flatten()
+    both = [torch.empty_like(grad) for _ in range(env.world_size)]
+    torch.distributed.all_gather(both, grad)
+    return torch.equal(both[0], both[1])
+
+
+def test_no_sync_step_leaves_out_the_all_reduce() -> None:
+    """The no_sync entry must time DDP's step without its all-reduce: the ranks' gradients then
+    stay their own (each rank saw other rows), while DDP's own step makes them equal. With the
+    forward outside no_sync(), DDP would still all-reduce, and this test fails."""
+    assert launch(_gradients_agree, place(2, "cpu"), False, echo=False) == [True, True]
+    assert launch(_gradients_agree, place(2, "cpu"), True, echo=False) == [False, False]
 
 
 def test_measure_variants_in_one_launch_of_two_ranks() -> None:
@@ -146,6 +170,11 @@ def test_variants_table_lines() -> None:
         "ddp without its gradient all-reduce (no_sync, same rounds): 200.0 ms/step",
         "  so the all-reduce that backward does not hide is ~20% of ddp's step",
     ]
+    noisy = _hand_built()
+    noisy["results"]["ddp"]["communication_meaningful"] = False
+    assert variants_table(noisy).splitlines()[-1].endswith(
+        "~20% of ddp's step (within the rounds' noise: no verdict)"
+    )
     no_ddp = _hand_built()
     del no_ddp["results"]["ddp"]
     assert len(variants_table(no_ddp).splitlines()) == 3  # the header and two variants
