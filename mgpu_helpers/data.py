@@ -59,12 +59,13 @@ INFO = {
 
 
 def _digits_table(csv: Path | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The digits' pixels (1,797 x 64) and labels, as scikit-learn's ``load_digits`` gives them.
+    """The digits' pixels (1,797 x 64) and labels, as scikit-learn's ``load_digits`` gives them
+    (lesson 02's default data set, behind :func:`digits`).
 
     Read from the gzipped table inside the installed scikit-learn, as ``load_digits`` reads it,
     without importing scikit-learn: that import takes about a second in every process that
-    loads the data (each torchrun rank of lesson 07). ``csv``: that table elsewhere (tests); if
-    the file is missing (a future scikit-learn), ``load_digits`` itself (lesson 02).
+    loads the data (each torchrun rank of lesson 07). ``csv``: that table elsewhere (tests). If
+    the file is missing (a future scikit-learn), ``load_digits`` itself.
     """
     if csv is None:
         spec = importlib.util.find_spec("sklearn")  # finds the package, runs none of it
