@@ -408,13 +408,17 @@ def variants_table(data: Mapping) -> str:
         )
     if "communication_share" in res.get("ddp", {}):
         ddp = res["ddp"]
-        lines.append(
-            f"ddp without its gradient all-reduce (no_sync, same rounds): "
-            f"{ddp['no_sync_s'] * 1e3:.1f} ms/step\n  so the all-reduce that backward does not "
-            f"hide is ~{ddp['communication_share']:.0%} of ddp's step"
-            + ("" if ddp.get("communication_meaningful", True) else
-               " (within the rounds' noise: no verdict)")
-        )
+        head = (f"ddp without its gradient all-reduce (no_sync, same rounds): "
+                f"{ddp['no_sync_s'] * 1e3:.1f} ms/step\n  ")  # fmt: skip
+        if ddp["no_sync_s"] >= ddp["median_s"]:  # the share would read 0%: say why instead
+            tail = ("no faster than ddp's step: at this size the all-reduce is too small to show"
+                    " against the rounds' noise")  # fmt: skip
+        else:
+            tail = (f"so the all-reduce that backward does not hide is "
+                    f"~{ddp['communication_share']:.0%} of ddp's step")  # fmt: skip
+            if not ddp.get("communication_meaningful", True):
+                tail += " (within the rounds' noise: no verdict)"
+        lines.append(head + tail)
     return "\n".join(lines)
 
 

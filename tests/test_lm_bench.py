@@ -175,6 +175,12 @@ def test_variants_table_lines() -> None:
     assert variants_table(noisy).splitlines()[-1].endswith(
         "~20% of ddp's step (within the rounds' noise: no verdict)"
     )
+    slower = _hand_built()
+    slower["results"]["ddp"]["no_sync_s"] = 0.3  # no faster than ddp's 250 ms
+    assert variants_table(slower).splitlines()[-1] == (
+        "  no faster than ddp's step: at this size the all-reduce is too small to show against "
+        "the rounds' noise"
+    )
     no_ddp = _hand_built()
     del no_ddp["results"]["ddp"]
     assert len(variants_table(no_ddp).splitlines()) == 3  # the header and two variants
