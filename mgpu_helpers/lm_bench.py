@@ -412,12 +412,12 @@ def variants_table(data: Mapping) -> str:
                 f"{ddp['no_sync_s'] * 1e3:.1f} ms/step\n  ")  # fmt: skip
         if ddp["no_sync_s"] >= ddp["median_s"]:  # the share would read 0%: say why instead
             tail = ("no faster than ddp's step: at this size the all-reduce is too small to show"
-                    " against the rounds' noise")  # fmt: skip
+                    "\n  against the rounds' noise")  # fmt: skip
         else:
             tail = (f"so the all-reduce that backward does not hide is "
                     f"~{ddp['communication_share']:.0%} of ddp's step")  # fmt: skip
             if not ddp.get("communication_meaningful", True):
-                tail += " (within the rounds' noise: no verdict)"
+                tail += "\n  (within the rounds' noise: no verdict)"
         lines.append(head + tail)
     return "\n".join(lines)
 
