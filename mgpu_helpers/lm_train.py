@@ -173,8 +173,7 @@ def script_args(run: LMRun) -> list[str]:
                          "keep their defaults to run this training as the script")  # fmt: skip
     names = ("d_model", "n_layers", "n_heads", "seq_len", "steps", "batch_size", "lr", "warmup",
              "eval_every", "eval_batches", "seed", "tp", "snapshot_every")  # fmt: skip
-    values = {k: given[k] for k in names} | {k: run.__dict__[k] or 0
-                                             for k in ("data_limit", "val_limit")}  # fmt: skip
+    values = {k: given[k] for k in names} | {k: given[k] or 0 for k in ("data_limit", "val_limit")}
     options = [f"--{k.replace('_', '-')}={v}" for k, v in values.items()]
     return ["--full", f"--parallel={run.parallel}", *options]
 
@@ -262,6 +261,7 @@ def lesson_apply_fsdp() -> Callable[..., nn.Module]:
     return lesson.apply_fsdp
 
 
+@functools.lru_cache(maxsize=1)
 def lesson_parallelize() -> Callable[[GPT, LMRun, DistEnv], tuple[nn.Module, int, int]]:
     """Lesson 11's own ``parallelize``, read from its notebook with its ``apply_gpt_tp``.
 
@@ -281,13 +281,10 @@ def lesson_parallelize() -> Callable[[GPT, LMRun, DistEnv], tuple[nn.Module, int
     return lesson.parallelize
 
 
-_lesson_parallelize = functools.lru_cache(maxsize=1)(lesson_parallelize)
-
-
 def parallelize(model: GPT, run: LMRun, env: DistEnv) -> tuple[nn.Module, int, int]:
     """``model`` wrapped for ``run.parallel`` by lesson 11's own ``parallelize`` (its notebook's
     cell); also this rank's data-parallel index and the data-parallel size."""
-    return _lesson_parallelize()(model, run, env)
+    return lesson_parallelize()(model, run, env)
 
 
 # --- DCP checkpoints, by lesson 07's rules -------------------------------------------------------
@@ -512,7 +509,7 @@ def train_lm(
     settings = {**run.settings(), "world_size": env.world_size}
     found = find_checkpoint(run.snapshot, env, settings)
     torch.manual_seed(run.seed)  # every rank builds the same weights; the wraps cut them
-    wrap = parallelize if parallelize is not None else _lesson_parallelize()
+    wrap = parallelize if parallelize is not None else lesson_parallelize()
     model, dp_rank, dp_size = wrap(GPT(cfg).to(env.device), run, env)
     optimizer = make_optimizer(model, run)
     history: dict[str, list] = {"step": [], "train_loss": [], "lr": []}
